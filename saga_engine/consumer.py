@@ -1,0 +1,223 @@
+"""The consuming loop shared by participants and orchestrators.
+
+One pass polls a batch from the transport and applies it in ONE local transaction: for each message,
+decode it, record it in the inbox (skip and count it if it was seen before), run the handler, which
+writes its effects and its outgoing messages (outbox) on the same connection. Only after that
+transaction commits is the broker position committed. A crash anywhere replays the batch; the inbox
+turns the replay into no-ops.
+
+A message that cannot be decoded goes to the dead letters in the same transaction. When a handler
+raises, the batch is rolled back and re-applied one message per transaction, in order, up to the
+failing one: the ones before it are committed, it and the ones after it are released and come again
+(order per key is kept; the failing one blocks its channel until it succeeds or is given up after
+``max_attempts``, when ``give_up`` decides what happens, by default a dead letter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from sqlalchemy import Connection, Engine, exc
+
+from saga_engine import clock, deadletter, errors
+from saga_engine.inbox import Inbox
+from saga_engine.messages import Envelope
+from saga_engine.transport.base import Consumer, Delivery, Transport
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Connection, Envelope], None]
+GiveUp = Callable[[Connection, Envelope, BaseException], None]
+
+DEFAULT_MAX_MESSAGE_BYTES = 1_048_576 + 64 * 1024  # the payload limit plus envelope fields
+
+
+@dataclasses.dataclass
+class ConsumerStats:
+    processed: int = 0
+    duplicates: int = 0
+    dead_letters: int = 0
+    retries: int = 0
+    given_up: int = 0
+
+
+@dataclasses.dataclass
+class ConsumerConfig:
+    batch_size: int = 200
+    poll_timeout: float = 0.5
+    max_attempts: int = 5
+    retry_delay: float = 0.2
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+
+class MessageConsumer:
+    """Runs ``handler`` once in effect for every message on ``channels``."""
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        transport: Transport,
+        channels: Sequence[str],
+        handler: Handler,
+        *,
+        give_up: GiveUp | None = None,
+        config: ConsumerConfig | None = None,
+        clock: clock.Clock = clock.SYSTEM,
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        self.transport = transport
+        self.channels = list(channels)
+        self.handler = handler
+        self.give_up = give_up or self._dead_letter_give_up
+        self.config = config or ConsumerConfig()
+        self.clock = clock
+        self.inbox = Inbox(clock)
+        self.stats = ConsumerStats()
+        self._attempts: dict[str, int] = {}
+        self._consumer: Consumer | None = None
+
+    @property
+    def consumer(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = self.transport.consumer(self.name, self.channels)
+        return self._consumer
+
+    def run_once(self) -> int:
+        """Poll and apply one batch; returns how many deliveries it handled."""
+        deliveries = self.consumer.poll(self.config.batch_size, self.config.poll_timeout)
+        if deliveries:
+            self.apply(deliveries)
+        return len(deliveries)
+
+    def apply(self, deliveries: Sequence[Delivery]) -> None:
+        try:
+            with self.engine.begin() as conn:
+                for delivery in deliveries:
+                    self._apply_one(conn, delivery)
+        except (exc.OperationalError, exc.InterfaceError):
+            # The database itself is away: nothing was committed; let the deliveries come again.
+            self.consumer.release(deliveries)
+            raise
+        except Exception as error:
+            log.info("batch of %d failed (%s); applying one by one", len(deliveries), error)
+            self._apply_singly(deliveries)
+            return
+        self.consumer.commit(deliveries)
+
+    def _apply_singly(self, deliveries: Sequence[Delivery]) -> None:
+        for index, delivery in enumerate(deliveries):
+            try:
+                with self.engine.begin() as conn:
+                    self._apply_one(conn, delivery)
+            except Exception as error:
+                try:
+                    retry = self._retry_later(delivery, error)
+                except Exception:
+                    self.consumer.release(deliveries[index:])  # the database is away: retry all
+                    raise
+                if not retry:
+                    continue
+                self.consumer.commit(deliveries[:index])
+                self.consumer.release(deliveries[index:])
+                time.sleep(self.config.retry_delay)
+                return
+        self.consumer.commit(deliveries)
+
+    def _retry_later(self, delivery: Delivery, error: BaseException) -> bool:
+        """Count a failed attempt; once attempts run out, give up in a transaction of its own."""
+        envelope = Envelope.from_wire(delivery.value)
+        attempts = self._attempts.get(envelope.message_id, 0) + 1
+        self._attempts[envelope.message_id] = attempts
+        if attempts < self.config.max_attempts:
+            self.stats.retries += 1
+            log.warning(
+                "%s: %s failed (attempt %d of %d): %s",
+                self.name,
+                envelope.message_type,
+                attempts,
+                self.config.max_attempts,
+                error,
+            )
+            return True
+        with self.engine.begin() as conn:
+            if self.inbox.first_time(conn, self.name, envelope.message_id):
+                self.give_up(conn, envelope, error)
+        self._attempts.pop(envelope.message_id, None)
+        self.stats.given_up += 1
+        return False
+
+    def _apply_one(self, conn: Connection, delivery: Delivery) -> None:
+        envelope = self._decode(conn, delivery)
+        if envelope is None:
+            return
+        if not self.inbox.first_time(conn, self.name, envelope.message_id):
+            self.stats.duplicates += 1
+            return
+        self.handler(conn, envelope)
+        self.stats.processed += 1
+
+    def _decode(self, conn: Connection, delivery: Delivery) -> Envelope | None:
+        try:
+            if len(delivery.value) > self.config.max_message_bytes:
+                raise errors.DecodeError(
+                    f"message of {len(delivery.value)} bytes exceeds {self.config.max_message_bytes}"
+                )
+            return Envelope.from_wire(delivery.value)
+        except errors.DecodeError as error:
+            self.dead_letter(conn, delivery.channel, delivery.value, str(error))
+            return None
+
+    def dead_letter(
+        self,
+        conn: Connection,
+        channel: str,
+        raw: bytes,
+        reason: str,
+        envelope: Envelope | None = None,
+    ) -> None:
+        log.warning("%s: dead letter on %s: %s", self.name, channel, reason)
+        deadletter.record(
+            conn,
+            consumer=self.name,
+            channel=channel,
+            raw=raw,
+            reason=reason,
+            message_id=envelope.message_id if envelope else None,
+            message_type=envelope.message_type if envelope else None,
+            now_clock=self.clock,
+        )
+        self.stats.dead_letters += 1
+
+    def _dead_letter_give_up(
+        self, conn: Connection, envelope: Envelope, error: BaseException
+    ) -> None:
+        self.dead_letter(
+            conn,
+            envelope.destination,
+            envelope.to_wire(),
+            f"gave up after {self.config.max_attempts} attempts: {error}",
+            envelope,
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        """Consume until ``stop`` is set; database outages are waited out."""
+        try:
+            while not stop.is_set():
+                try:
+                    self.run_once()
+                except (exc.OperationalError, exc.InterfaceError, errors.TransportError) as error:
+                    log.warning("%s: %s; retrying", self.name, str(error).splitlines()[0])
+                    stop.wait(1.0)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None

@@ -1,0 +1,136 @@
+"""Database adapter edge: engines from URLs, dialect differences, driver errors translated.
+
+Everything dialect-specific that is not a claim strategy lives here, so the rest of the engine
+speaks SQLAlchemy Core only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import Connection, Engine, make_url
+
+from saga_engine import errors
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def redact(url: str | sa.URL) -> str:
+    """The URL with its password hidden: safe for logs, status output and error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except exc.ArgumentError:
+        return "<invalid database URL>"
+
+
+def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
+    """An engine for ``url`` with settings every saga-engine process wants.
+
+    Raises :class:`errors.ConfigurationError` for a URL that cannot be parsed or whose driver is
+    not installed; reachability is checked by :func:`check_connection`.
+    """
+    try:
+        parsed = make_url(url)
+    except exc.ArgumentError as error:
+        raise errors.ConfigurationError(f"bad database URL {redact(url)!r}: {error}") from None
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            return _sqlite_engine(parsed, **kwargs)
+        return sa.create_engine(
+            parsed,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            pool_pre_ping=True,  # connections killed by the server are replaced, not reused
+            pool_recycle=1800,
+            **kwargs,
+        )
+    except (exc.NoSuchModuleError, ModuleNotFoundError) as error:
+        raise errors.ConfigurationError(
+            f"no driver for {redact(parsed)!r}: {error}; install saga-engine[postgres] or [mysql]"
+        ) from None
+
+
+def _sqlite_engine(url: sa.URL, **kwargs: Any) -> Engine:
+    engine = sa.create_engine(url, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not pysqlite, emit BEGIN; WAL lets readers run beside the single writer.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # IMMEDIATE takes the write lock up front, so two writers queue on busy_timeout instead of
+        # failing later with "database is locked" when a read transaction tries to upgrade.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def check_connection(engine: Engine) -> None:
+    """Raise :class:`errors.DatabaseUnavailable` (password hidden) when the database is unreachable."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except exc.DBAPIError as error:
+        reason = str(error.orig).strip().splitlines()[0] if error.orig else type(error).__name__
+        raise errors.DatabaseUnavailable(
+            f"cannot reach database {redact(engine.url)}: {reason}"
+        ) from None
+
+
+def dialect_name(bind: Connection | Engine) -> str:
+    name = bind.dialect.name
+    return "mysql" if name == "mariadb" else name
+
+
+def insert_ignoring_duplicates(
+    bind: Connection, table: sa.Table, rows: list[dict[str, Any]]
+) -> int:
+    """Insert ``rows``, silently skipping those whose key exists; returns how many were new.
+
+    A plain INSERT that hits the unique key would abort the whole transaction on PostgreSQL, so the
+    caller's business change would be lost with it; the dialects' own "ignore" forms avoid that.
+    """
+    if not rows:
+        return 0
+    name = dialect_name(bind)
+    stmt: Any
+    if name in ("postgresql", "sqlite"):
+        # rowcount of ON CONFLICT DO NOTHING is not reported by every driver (psycopg 3 gives -1),
+        # so ask the database which rows it inserted.
+        insert = _upsert_insert(name)
+        key = list(table.primary_key.columns)[0]
+        stmt = insert(table).on_conflict_do_nothing().returning(key)
+        return sum(1 for row in rows if bind.execute(stmt, row).first() is not None)
+    stmt = table.insert().prefix_with("IGNORE")
+    # executemany's rowcount is not reliable everywhere; one statement per row stays precise.
+    return sum(int(bind.execute(stmt, row).rowcount) for row in rows)
+
+
+def _upsert_insert(name: str) -> Any:
+    if name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+        return pg_insert
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    return sqlite_insert
+
+
+def connection_of(tx: Any) -> Connection:
+    """The Connection behind a SQLAlchemy ``Session`` or ``Connection`` (the caller's transaction)."""
+    if isinstance(tx, Connection):
+        return tx
+    from sqlalchemy.orm import Session
+
+    if isinstance(tx, Session):
+        return tx.connection()
+    raise TypeError(f"expected a SQLAlchemy Session or Connection, got {type(tx).__name__}")

@@ -1,0 +1,95 @@
+"""Wake-ups for relays and consumers: PostgreSQL LISTEN/NOTIFY as a hint, never as the truth.
+
+An AFTER INSERT trigger on ``outbox_messages`` (and ``transport_messages``) sends a NOTIFY at
+commit. A listener thread on its own autocommit connection waits for them and sets an event; the
+relay waits on "notified OR poll interval OR stop". Notifications sent while the listener was
+disconnected are lost, which is why polling stays: after every reconnect the listener wakes the relay
+once so it looks for whatever arrived meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from sqlalchemy import Engine
+
+log = logging.getLogger(__name__)
+
+OUTBOX_CHANNEL = "saga_engine_outbox"
+TRANSPORT_CHANNEL = "saga_engine_transport"
+LIVENESS_PROBE_SECONDS = 1.0
+RECONNECT_DELAY_SECONDS = 1.0
+
+
+class Wakeup:
+    """An event set by NOTIFY (when listening) or by :meth:`notify`; waited on with a timeout."""
+
+    def __init__(self, conninfo: str | None = None, channel: str = OUTBOX_CHANNEL) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self._event = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_engine(cls, engine: Engine, channel: str = OUTBOX_CHANNEL) -> Wakeup:
+        """A wake-up that listens on PostgreSQL and is a plain in-process event elsewhere."""
+        if engine.dialect.name != "postgresql":
+            return cls(None, channel)
+        url = engine.url.set(drivername="postgresql")
+        return cls(url.render_as_string(hide_password=False), channel)
+
+    def notify(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        """Wait for a wake-up, the timeout or ``stop``; True if woken."""
+        woken = self._event.wait(timeout)
+        self._event.clear()
+        return woken and not (stop is not None and stop.is_set())
+
+    def start(self) -> None:
+        if self.conninfo is None or self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(
+            target=self._listen_forever, name="saga-engine-listen", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._event.set()
+        if self._thread is not None:
+            self._thread.join(LIVENESS_PROBE_SECONDS + 1)
+            self._thread = None
+
+    def _listen_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._listen_once()
+            except Exception as error:  # the listener must outlive any database trouble
+                log.warning(
+                    "LISTEN %s lost (%s); reconnecting",
+                    self.channel,
+                    str(error).strip().splitlines()[:1],
+                )
+            self._stopping.wait(RECONNECT_DELAY_SECONDS)
+
+    def _listen_once(self) -> None:
+        import psycopg
+
+        assert self.conninfo is not None
+        with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'LISTEN "{self.channel}"')
+            self._event.set()  # whatever was notified while we were away is in the table
+            while not self._stopping.is_set():
+                for _ in _notifies(conn):
+                    self._event.set()
+                conn.execute("SELECT 1")  # liveness: a dead connection raises here
+
+
+def _notifies(conn: Any) -> Any:
+    return conn.notifies(timeout=LIVENESS_PROBE_SECONDS, stop_after=1000)

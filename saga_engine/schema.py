@@ -1,0 +1,160 @@
+"""Every table the engine uses, defined once with SQLAlchemy Core.
+
+The Alembic migrations in ``saga_engine/migrations`` create exactly these (a test compares them).
+Types are chosen to behave the same on PostgreSQL, MariaDB/MySQL and SQLite:
+microsecond DATETIME on MySQL (its default drops fractions, which would reorder retries), MEDIUMTEXT
+for payloads (MySQL's TEXT stops at 64 KiB, below the 1 MiB payload limit), INTEGER ids on SQLite
+(only ``INTEGER PRIMARY KEY`` autoincrements there).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+Timestamp = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+LongText = sa.Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
+LongBytes = sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), "mysql", "mariadb")
+
+
+class OutboxStatus(enum.IntEnum):
+    """``outbox_messages.status``; small integers as in the article's table."""
+
+    PENDING = 0
+    SENT = 1
+    FAILED = 2
+
+
+def _message_columns() -> list[sa.Column[object]]:
+    """Columns shared by the outbox and its history table."""
+    return [
+        sa.Column("message_id", sa.String(64), nullable=False),
+        sa.Column("aggregate_type", sa.String(64), nullable=False, server_default=""),
+        sa.Column("aggregate_id", sa.String(128), nullable=False, server_default=""),
+        sa.Column("message_type", sa.String(128), nullable=False),
+        sa.Column("destination", sa.String(255), nullable=False),
+        sa.Column("partition_key", sa.String(255), nullable=False),
+        sa.Column("correlation_id", sa.String(64)),
+        sa.Column("causation_id", sa.String(64)),
+        sa.Column("tenant_id", sa.String(64)),
+        sa.Column("headers", sa.Text(), nullable=False, server_default="{}"),
+        sa.Column("payload", LongText, nullable=False),
+        sa.Column("status", sa.SmallInteger(), nullable=False, server_default="0"),
+        sa.Column("retry_count", sa.Integer(), nullable=False, server_default="0"),
+        sa.Column("next_retry_at", Timestamp, nullable=False),
+        sa.Column("created_at", Timestamp, nullable=False),
+        sa.Column("updated_at", Timestamp, nullable=False),
+        sa.Column("sent_at", Timestamp),
+        sa.Column("last_error", sa.Text()),
+    ]
+
+
+outbox = sa.Table(
+    "outbox_messages",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    *_message_columns(),
+    # Optimistic claim (servers without SKIP LOCKED, and SQLite): who holds the row, until when.
+    sa.Column("claimed_by", sa.String(64)),
+    sa.Column("lease_until", Timestamp),
+    sa.UniqueConstraint("message_id"),
+    # The claim query: WHERE status = 0 AND next_retry_at <= now ORDER BY id.
+    sa.Index(None, "status", "next_retry_at", "id"),
+    # The order guard: the earliest unsent row of each partition key.
+    sa.Index(None, "partition_key", "status", "id"),
+    # Cleanup: WHERE status = 1 AND sent_at < cutoff.
+    sa.Index(None, "status", "sent_at"),
+)
+
+outbox_history = sa.Table(
+    "outbox_history",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=False),
+    *_message_columns(),
+    sa.Column("archived_at", Timestamp, nullable=False),
+)
+
+inbox = sa.Table(
+    "inbox_messages",
+    metadata,
+    sa.Column("consumer", sa.String(128), primary_key=True),
+    sa.Column("message_id", sa.String(64), primary_key=True),
+    sa.Column("received_at", Timestamp, nullable=False),
+)
+
+inbox_duplicates = sa.Table(
+    "inbox_duplicates",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("consumer", sa.String(128), nullable=False),
+    sa.Column("message_id", sa.String(64), nullable=False),
+    sa.Column("seen_at", Timestamp, nullable=False),
+    sa.Index(None, "consumer"),
+)
+
+dead_letters = sa.Table(
+    "dead_letters",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("consumer", sa.String(128), nullable=False),
+    sa.Column("channel", sa.String(255), nullable=False),
+    sa.Column("message_id", sa.String(64)),
+    sa.Column("message_type", sa.String(128)),
+    sa.Column("reason", sa.Text(), nullable=False),
+    sa.Column("raw", LongBytes, nullable=False),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Index(None, "consumer", "created_at"),
+)
+
+transport_messages = sa.Table(
+    "transport_messages",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("channel", sa.String(255), nullable=False),
+    sa.Column("partition_key", sa.String(255), nullable=False),
+    sa.Column("message_id", sa.String(64), nullable=False),
+    sa.Column("body", LongBytes, nullable=False),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("lease_owner", sa.String(64)),
+    sa.Column("lease_until", Timestamp),
+    sa.Column("deliveries", sa.Integer(), nullable=False, server_default="0"),
+    sa.Index(None, "channel", "id"),
+    sa.Index(None, "channel", "partition_key", "id"),
+)
+
+
+def _notify_trigger(table: str, channel: str) -> list[str]:
+    """PostgreSQL DDL: one NOTIFY per inserting statement (the relays' wake-up hint)."""
+    function = f"{table}_notify"
+    return [
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        f"BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$",
+        f"CREATE TRIGGER {table}_notify AFTER INSERT ON {table} "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
+    ]
+
+
+#: Extra DDL per dialect that Core cannot express; the migrations run the same statements.
+POSTGRES_TRIGGERS = {
+    "outbox_messages": _notify_trigger("outbox_messages", "saga_engine_outbox"),
+    "transport_messages": _notify_trigger("transport_messages", "saga_engine_transport"),
+}
+
+for _name, _statements in POSTGRES_TRIGGERS.items():
+    for _statement in _statements:
+        sa.event.listen(
+            metadata.tables[_name],
+            "after_create",
+            sa.DDL(_statement.replace("%", "%%")).execute_if(dialect="postgresql"),
+        )

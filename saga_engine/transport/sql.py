@@ -1,0 +1,175 @@
+"""A durable transport through a table of the engine's own database (the embedded default).
+
+Each channel is a queue: a published message is one row of ``transport_messages``; consumers lease
+rows (the same optimistic claim the outbox uses), hand them out, and delete them on commit. A
+consumer that dies leaves its lease to run out, so its messages come again (at least once). The
+order guard keeps per-key order across any number of consumers: a row is handed out only when no earlier
+row of the same channel and key is still in the table.
+
+Every consumer of a channel competes for its messages, whatever its group: a channel has one
+consuming service here. Fan-out to several services needs one channel each, or Kafka.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Engine, exc
+
+from saga_engine import clock, ids, schema
+from saga_engine.outbox.notify import TRANSPORT_CHANNEL, Wakeup
+from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage, PublishResult, Transport
+
+q = schema.transport_messages
+
+
+class SqlTransport(Transport):
+    name = "sql"
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        lease: timedelta = timedelta(seconds=30),
+        idle_poll: float = 0.05,
+        clock: clock.Clock = clock.SYSTEM,
+    ) -> None:
+        self.engine = engine
+        self.lease = lease
+        self.idle_poll = idle_poll
+        self.clock = clock
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        now = self.clock.now()
+        rows = [
+            {
+                "channel": m.destination,
+                "partition_key": m.partition_key,
+                "message_id": m.message_id,
+                "body": m.value,
+                "created_at": now,
+            }
+            for m in messages
+        ]
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(q.insert(), rows)
+        except exc.SQLAlchemyError as error:
+            reason = f"sql transport: {str(error).strip().splitlines()[0]}"
+            return [PublishResult(m.message_id, reason) for m in messages]
+        return [PublishResult(m.message_id) for m in messages]
+
+    def consumer(self, group: str, channels: Sequence[str]) -> SqlConsumer:
+        return SqlConsumer(self, group, list(channels))
+
+    def insert_in(self, conn: Connection, messages: Sequence[OutgoingMessage]) -> None:
+        """Publish inside an open transaction of the same database (exactly once, no relay hop)."""
+        now = self.clock.now()
+        conn.execute(
+            q.insert(),
+            [
+                {
+                    "channel": m.destination,
+                    "partition_key": m.partition_key,
+                    "message_id": m.message_id,
+                    "body": m.value,
+                    "created_at": now,
+                }
+                for m in messages
+            ],
+        )
+
+
+class SqlConsumer(Consumer):
+    def __init__(self, transport: SqlTransport, group: str, channels: list[str]) -> None:
+        if not channels:
+            raise ValueError("a consumer needs at least one channel")
+        self.transport = transport
+        self.group = group
+        self.channels = channels
+        self.wakeup = Wakeup.for_engine(transport.engine, TRANSPORT_CHANNEL)
+        self.wakeup.start()
+
+    def poll(self, max_messages: int, timeout: float) -> list[Delivery]:
+        deadline = time.monotonic() + timeout
+        while True:
+            deliveries = self._claim(max_messages)
+            remaining = deadline - time.monotonic()
+            if deliveries or remaining <= 0:
+                return deliveries
+            self.wakeup.wait(min(self.transport.idle_poll, remaining))
+
+    def _claim(self, limit: int) -> list[Delivery]:
+        token = f"{self.group}:{ids.new_id()}"
+        now = self.transport.clock.now()
+        free = sa.or_(q.c.lease_until.is_(None), q.c.lease_until < now)
+        with self.transport.engine.begin() as conn:
+            candidates = conn.scalars(
+                sa.select(q.c.id)
+                .where(q.c.channel.in_(self.channels), free)
+                .order_by(q.c.id)
+                .limit(limit)
+            ).all()
+            if not candidates:
+                return []
+            conn.execute(
+                sa.update(q)
+                .where(q.c.id.in_(candidates), free)
+                .values(
+                    lease_owner=token,
+                    lease_until=now + self.transport.lease,
+                    deliveries=q.c.deliveries + 1,
+                )
+            )
+            rows = conn.execute(
+                sa.select(q.c.id, q.c.channel, q.c.partition_key, q.c.body)
+                .where(q.c.id.in_(candidates), q.c.lease_owner == token)
+                .order_by(q.c.id)
+            ).all()
+            ready = _order_guard(conn, rows)
+            _release(conn, [r.id for r in rows if r.id not in {x.id for x in ready}])
+        return [Delivery(r.channel, r.partition_key, bytes(r.body), token=r.id) for r in ready]
+
+    def commit(self, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            with self.transport.engine.begin() as conn:
+                conn.execute(sa.delete(q).where(q.c.id.in_([d.token for d in deliveries])))
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        if deliveries:
+            with self.transport.engine.begin() as conn:
+                _release(conn, [d.token for d in deliveries])
+
+    def close(self) -> None:
+        self.wakeup.stop()
+
+
+def _release(conn: Connection, row_ids: Sequence[Any]) -> None:
+    if row_ids:
+        conn.execute(
+            sa.update(q).where(q.c.id.in_(row_ids)).values(lease_owner=None, lease_until=None)
+        )
+
+
+def _order_guard(conn: Connection, rows: Sequence[sa.Row[Any]]) -> list[sa.Row[Any]]:
+    """Rows with no earlier row of the same channel and key left in the table (but ours)."""
+    if not rows:
+        return []
+    mine = [r.id for r in rows]
+    blockers = {
+        (channel, key): first
+        for channel, key, first in conn.execute(
+            sa.select(q.c.channel, q.c.partition_key, sa.func.min(q.c.id))
+            .where(
+                q.c.partition_key.in_({r.partition_key for r in rows}),
+                q.c.id < max(mine),
+                q.c.id.not_in(mine),
+            )
+            .group_by(q.c.channel, q.c.partition_key)
+        ).all()
+    }
+    return [r for r in rows if r.id < blockers.get((r.channel, r.partition_key), r.id + 1)]
