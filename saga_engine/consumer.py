@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Connection, Envelope], None]
 GiveUp = Callable[[Connection, Envelope, BaseException], None]
+DedupeKey = Callable[[Envelope], str]
+
+
+def by_message_id(envelope: Envelope) -> str:
+    return envelope.message_id
 
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576 + 64 * 1024  # the payload limit plus envelope fields
 
@@ -66,6 +71,7 @@ class MessageConsumer:
         handler: Handler,
         *,
         give_up: GiveUp | None = None,
+        dedupe_key: DedupeKey = by_message_id,
         config: ConsumerConfig | None = None,
         clock: clock.Clock = clock.SYSTEM,
     ) -> None:
@@ -75,6 +81,9 @@ class MessageConsumer:
         self.channels = list(channels)
         self.handler = handler
         self.give_up = give_up or self._dead_letter_give_up
+        # What the inbox deduplicates on: the message id, or e.g. a command id that stays the
+        # same when a command is sent again after a timeout.
+        self.dedupe_key = dedupe_key
         self.config = config or ConsumerConfig()
         self.clock = clock
         self.inbox = Inbox(clock)
@@ -146,7 +155,7 @@ class MessageConsumer:
             )
             return True
         with self.engine.begin() as conn:
-            if self.inbox.first_time(conn, self.name, envelope.message_id):
+            if self.inbox.first_time(conn, self.name, self.dedupe_key(envelope)):
                 self.give_up(conn, envelope, error)
         self._attempts.pop(envelope.message_id, None)
         self.stats.given_up += 1
@@ -156,10 +165,15 @@ class MessageConsumer:
         envelope = self._decode(conn, delivery)
         if envelope is None:
             return
-        if not self.inbox.first_time(conn, self.name, envelope.message_id):
+        if not self.inbox.first_time(conn, self.name, self.dedupe_key(envelope)):
             self.stats.duplicates += 1
             return
-        self.handler(conn, envelope)
+        try:
+            self.handler(conn, envelope)
+        except errors.Undeliverable as error:
+            # Handlers raise this before writing anything, so the dead letter is all that commits.
+            self.dead_letter(conn, delivery.channel, delivery.value, str(error), envelope)
+            return
         self.stats.processed += 1
 
     def _decode(self, conn: Connection, delivery: Delivery) -> Envelope | None:

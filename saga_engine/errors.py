@@ -48,3 +48,11 @@ class ConcurrentUpdate(SagaEngineError):
 
 class UnknownSaga(SagaEngineError):
     """No saga instance or saga type with this id or name exists."""
+
+
+class InvalidTransition(SagaEngineError):
+    """The saga definition does not allow this move."""
+
+
+class Undeliverable(SagaEngineError):
+    """A message that can never be processed (unknown saga, stale reply): it goes to dead letters."""

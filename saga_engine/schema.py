@@ -134,6 +134,34 @@ transport_messages = sa.Table(
 )
 
 
+saga_instances = sa.Table(
+    "saga_instances",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("saga_type", sa.String(128), nullable=False),
+    sa.Column("definition_version", sa.Integer(), nullable=False),
+    sa.Column("state", sa.String(160), nullable=False),
+    sa.Column("data", LongText, nullable=False),
+    # Optimistic concurrency: every save is UPDATE ... WHERE version = <the version read>.
+    sa.Column("version", sa.Integer(), nullable=False),
+    # Attempt of the current step or compensation; with the state it names the awaited command.
+    sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("command_id", sa.String(64)),
+    # Compensatable steps that committed, in order: compensations run over it in reverse.
+    sa.Column("completed_steps", sa.Text(), nullable=False, server_default="[]"),
+    # Stored deadlines, not timers, so timeouts and retry back-offs survive restarts.
+    sa.Column("deadline", Timestamp),
+    sa.Column("deadline_kind", sa.String(16)),
+    sa.Column("last_error", sa.Text()),
+    sa.Column("tenant_id", sa.String(64)),
+    sa.Column("created_at", Timestamp, nullable=False),
+    sa.Column("updated_at", Timestamp, nullable=False),
+    sa.Column("ended_at", Timestamp),
+    sa.Index(None, "deadline"),
+    sa.Index(None, "saga_type", "state"),
+)
+
+
 def _notify_trigger(table: str, channel: str) -> list[str]:
     """PostgreSQL DDL: one NOTIFY per inserting statement (the relays' wake-up hint)."""
     function = f"{table}_notify"

@@ -1,0 +1,101 @@
+"""Saga instances in the database, with optimistic concurrency.
+
+Every change is ``UPDATE ... WHERE id = ? AND version = <version read>``; a row count of zero means
+someone else changed the instance first (:class:`errors.ConcurrentUpdate`), and the caller's whole
+transaction is retried from a fresh read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection
+
+from saga_engine import errors, schema
+
+s = schema.saga_instances
+
+
+@dataclasses.dataclass
+class SagaInstance:
+    id: str
+    saga_type: str
+    definition_version: int
+    state: str
+    data: dict[str, Any]
+    version: int = 0
+    attempt: int = 0
+    command_id: str | None = None
+    completed_steps: list[str] = dataclasses.field(default_factory=list)
+    deadline: datetime | None = None
+    deadline_kind: str | None = None
+    last_error: str | None = None
+    tenant_id: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    ended_at: datetime | None = None
+
+    def wait_until(self, deadline: datetime | None, kind: str | None) -> None:
+        self.deadline, self.deadline_kind = deadline, kind
+
+
+def _row(instance: SagaInstance) -> dict[str, Any]:
+    values = dataclasses.asdict(instance)
+    values["data"] = json.dumps(instance.data, separators=(",", ":"))
+    values["completed_steps"] = json.dumps(instance.completed_steps)
+    return values
+
+
+def insert(conn: Connection, instance: SagaInstance, now: datetime) -> None:
+    instance.created_at = instance.updated_at = now
+    conn.execute(s.insert(), _row(instance))
+
+
+def load(conn: Connection, saga_id: str) -> SagaInstance | None:
+    row = conn.execute(sa.select(s).where(s.c.id == saga_id)).mappings().first()
+    if row is None:
+        return None
+    values = dict(row)
+    values["data"] = json.loads(values["data"])
+    values["completed_steps"] = json.loads(values["completed_steps"])
+    return SagaInstance(**values)
+
+
+def save(conn: Connection, instance: SagaInstance, now: datetime) -> None:
+    """Write ``instance`` if nobody changed it since it was read; bumps its version."""
+    values = _row(instance)
+    read_version = values.pop("version")
+    values.pop("id")
+    values.pop("created_at")
+    values["updated_at"] = now
+    result = conn.execute(
+        sa.update(s)
+        .where(s.c.id == instance.id, s.c.version == read_version)
+        .values(version=read_version + 1, **values)
+    )
+    if result.rowcount != 1:
+        raise errors.ConcurrentUpdate(f"saga {instance.id} changed since version {read_version}")
+    instance.version = read_version + 1
+    instance.updated_at = now
+
+
+def due(conn: Connection, now: datetime, limit: int) -> Sequence[str]:
+    """Ids of sagas whose stored deadline has passed, oldest first."""
+    return conn.scalars(
+        sa.select(s.c.id).where(s.c.deadline <= now).order_by(s.c.deadline).limit(limit)
+    ).all()
+
+
+def counts(conn: Connection) -> dict[str, dict[str, int]]:
+    """Saga counts by type and state."""
+    out: dict[str, dict[str, int]] = {}
+    for saga_type, state, n in conn.execute(
+        sa.select(s.c.saga_type, s.c.state, sa.func.count()).group_by(s.c.saga_type, s.c.state)
+    ):
+        out.setdefault(saga_type, {})[state] = int(n)
+    return out

@@ -1,0 +1,208 @@
+"""The worker: runs everything an app declares, each role in its own thread.
+
+Roles: ``orchestrator`` (applies replies), ``participants`` (runs command handlers), ``relay`` (one
+per database that has an outbox), ``deadlines`` (timeouts and back-offs), ``cleanup`` (old SENT rows).
+Any number of workers can run at once: consumers share channels through consumer groups (Kafka) or
+row leases (SQL transport), relays through SKIP LOCKED or leases, deadlines through the instances'
+version check. A stop request lets every loop finish the batch in hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from sqlalchemy import Engine, exc
+
+from saga_engine import db, errors, store, transport
+from saga_engine.app import App
+from saga_engine.consumer import MessageConsumer
+from saga_engine.outbox import cleanup
+from saga_engine.outbox.relay import Relay
+from saga_engine.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+ROLES = ("orchestrator", "participants", "relay", "deadlines", "cleanup")
+
+
+@dataclasses.dataclass
+class WorkerOptions:
+    db_url: str
+    broker_url: str = "sql://"
+    roles: Sequence[str] = ROLES
+    participants: Sequence[str] | None = None  # None: all of the app's
+    participant_dbs: dict[str, str] = dataclasses.field(default_factory=dict)
+    deadline_interval: float = 0.2
+    cleanup_interval: float = 3600.0
+    retention: timedelta = timedelta(days=7)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.roles) - set(ROLES)
+        if unknown:
+            raise errors.ConfigurationError(
+                f"unknown role(s) {', '.join(sorted(unknown))}: choose from {', '.join(ROLES)}"
+            )
+
+
+class Worker:
+    def __init__(self, app: App, options: WorkerOptions) -> None:
+        self.app = app
+        self.options = options
+        names = options.participants if options.participants is not None else list(app.participants)
+        for name in names:
+            if name not in app.participants:
+                raise errors.ConfigurationError(f"app {app.name!r} has no participant {name!r}")
+        self.participant_names = list(names)
+        self.engines: dict[str, Engine] = {}
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.consumers: list[MessageConsumer] = []
+        self.relays: list[Relay] = []
+        self.main_engine = self.engine(options.db_url)
+        self.transport: Transport = transport.from_url(options.broker_url, engine=self.main_engine)
+
+    def engine(self, url: str) -> Engine:
+        if url not in self.engines:
+            engine = db.create_engine(url, pool_size=4)
+            db.check_connection(engine)
+            self.engines[url] = engine
+        return self.engines[url]
+
+    def participant_db(self, name: str) -> str:
+        return self.options.participant_dbs.get(name, self.options.db_url)
+
+    # -- building the loops ---------------------------------------------------------------------
+
+    def build(self) -> None:
+        roles = set(self.options.roles)
+        self.transport.ensure_channels(self.app.channels)
+        if "orchestrator" in roles and self.app.sagas:
+            self._consumer(
+                "orchestrator",
+                self.main_engine,
+                self.app.reply_channels,
+                self.app.orchestrator.on_reply,
+                self.app.orchestrator.give_up,
+            )
+        if "participants" in roles:
+            for name in self.participant_names:
+                service = self.app.participant_service(name)
+                self._consumer(
+                    service.consumer_name,
+                    self.engine(self.participant_db(name)),
+                    [service.participant.channel],
+                    service.handle,
+                    service.give_up,
+                    service.dedupe_key,
+                )
+        if "relay" in roles:
+            urls = {self.options.db_url, *(self.participant_db(n) for n in self.participant_names)}
+            for url in sorted(urls):
+                relay = Relay.for_database(
+                    url, self.transport, self.app.relay_config, clock=self.app.clock
+                )
+                self.relays.append(relay)
+                self._thread(f"relay {db.redact(url)}", relay.run)
+        if "deadlines" in roles and self.app.sagas:
+            self._thread("deadlines", self._deadlines)
+        if "cleanup" in roles:
+            self._thread("cleanup", self._cleanup)
+
+    def _consumer(
+        self,
+        name: str,
+        engine: Engine,
+        channels: list[str],
+        handler: Callable[..., None],
+        give_up: Callable[..., None],
+        dedupe_key: Callable[..., str] | None = None,
+    ) -> None:
+        extra = {"dedupe_key": dedupe_key} if dedupe_key else {}
+        consumer = MessageConsumer(
+            name,
+            engine,
+            self.transport,
+            channels,
+            handler,
+            give_up=give_up,
+            config=self.app.consumer_config,
+            clock=self.app.clock,
+            **extra,
+        )
+        self.consumers.append(consumer)
+        self._thread(name, consumer.run)
+
+    def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
+        def guarded() -> None:
+            try:
+                target(self.stop_event)
+            except Exception:
+                log.exception("%s stopped by an unexpected error; stopping the worker", name)
+                self.stop_event.set()
+
+        self.threads.append(threading.Thread(target=guarded, name=name, daemon=True))
+
+    # -- periodic roles -------------------------------------------------------------------------
+
+    def _deadlines(self, stop: threading.Event) -> None:
+        while not stop.wait(self.options.deadline_interval):
+            try:
+                self.check_deadlines()
+            except exc.SQLAlchemyError as error:
+                log.warning("deadline check failed: %s", str(error).splitlines()[0])
+
+    def check_deadlines(self, limit: int = 500) -> int:
+        """Act on every passed deadline; returns how many sagas moved."""
+        engine, orchestrator = self.main_engine, self.app.orchestrator
+        with engine.connect() as conn:
+            due = store.due(conn, self.app.clock.now(), limit)
+        moved = 0
+        for saga_id in due:
+            try:
+                with engine.begin() as conn:
+                    moved += orchestrator.on_deadline(conn, saga_id)
+            except errors.ConcurrentUpdate:
+                continue  # another worker or a reply got there first; it will be re-read if due
+        return moved
+
+    def _cleanup(self, stop: threading.Event) -> None:
+        while not stop.wait(self.options.cleanup_interval):
+            for engine in list(self.engines.values()):
+                try:
+                    cleanup.cleanup(engine, retention=self.options.retention, clock=self.app.clock)
+                except exc.SQLAlchemyError as error:
+                    log.warning("cleanup failed: %s", str(error).splitlines()[0])
+
+    # -- running --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.threads:
+            self.build()
+        for thread in self.threads:
+            thread.start()
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run until ``stop`` (or :meth:`stop`) is set, then finish the batches in hand."""
+        self.start()
+        outer = stop or self.stop_event
+        while not outer.wait(0.5) and not self.stop_event.is_set():
+            pass
+        self.stop()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stop_event.set()
+        for relay in self.relays:
+            if relay.wakeup is not None:
+                relay.wakeup.notify()
+        for thread in self.threads:
+            if thread.is_alive():
+                thread.join(timeout)
+        self.transport.close()
+        for engine in self.engines.values():
+            engine.dispose()
+        for relay in self.relays:
+            relay.engine.dispose()
