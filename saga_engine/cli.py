@@ -1,4 +1,4 @@
-"""The ``saga-engine`` command.
+"""saga-engine: run, start, inspect and benchmark sagas on the transactional outbox.
 
 Every subcommand turns configuration and connection problems into one line on stderr and exit
 status 2, with passwords hidden; only a bug shows a traceback.
@@ -25,8 +25,10 @@ Command = Callable[[argparse.Namespace], int]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -41,8 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saga-engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="warning",
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     for register in REGISTRY:
         register(commands)
@@ -50,13 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_db(parser: argparse.ArgumentParser, default: str | None = DEFAULT_DB) -> None:
-    parser.add_argument("--db", default=default, metavar="URL",
-                        help=f"SQLAlchemy database URL (default {default})")
+    parser.add_argument(
+        "--db", default=default, metavar="URL", help=f"SQLAlchemy database URL (default {default})"
+    )
 
 
 def add_broker(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--broker", default="sql://", metavar="URL",
-                        help="sql:// (a table of --db, the default) or kafka://host:port")
+    parser.add_argument(
+        "--broker",
+        default="sql://",
+        metavar="URL",
+        help="sql:// (a table of --db, the default) or kafka://host:port",
+    )
 
 
 def open_engine(url: str, pool_size: int = 5) -> Any:
@@ -120,9 +128,13 @@ def relay_config(args: argparse.Namespace) -> Any:
     from saga_engine.outbox.relay import RelayConfig
 
     try:
-        return RelayConfig(batch_size=args.batch_size, poll_interval=args.poll_interval,
-                           ack_timeout=args.ack_timeout, max_retries=args.max_retries,
-                           claim=args.claim)
+        return RelayConfig(
+            batch_size=args.batch_size,
+            poll_interval=args.poll_interval,
+            ack_timeout=args.ack_timeout,
+            max_retries=args.max_retries,
+            claim=args.claim,
+        )
     except ValueError as error:
         raise errors.ConfigurationError(str(error)) from None
 
@@ -156,8 +168,12 @@ def run_cleanup(args: argparse.Namespace) -> int:
     from saga_engine.outbox.cleanup import cleanup
 
     engine = open_engine(args.db)
-    result = cleanup(engine, retention=timedelta(days=args.retention_days),
-                     batch_size=args.batch_size, archive=args.archive)
+    result = cleanup(
+        engine,
+        retention=timedelta(days=args.retention_days),
+        batch_size=args.batch_size,
+        archive=args.archive,
+    )
     print_json(result.__dict__)
     return 0
 
@@ -189,8 +205,190 @@ def run_outbox_requeue(args: argparse.Namespace) -> int:
     return 0
 
 
-REGISTRY: list[Callable[[Any], None]] = [register_db, register_relay, register_cleanup,
-                                         register_outbox]
+# -- the saga engine ------------------------------------------------------------------------------
+
+
+def add_app(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument(
+        "--app",
+        required=required,
+        metavar="MODULE:OBJECT",
+        help="the saga_engine.App to run, e.g. sagas.app:app",
+    )
+
+
+def load_app(spec: str) -> Any:
+    from saga_engine import app
+
+    sys.path.insert(0, ".")  # like `python -m`: modules of the current directory are importable
+    return app.load(spec)
+
+
+def parse_participant_dbs(values: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        name, sep, url = value.partition("=")
+        if not sep or not name or not url:
+            raise errors.ConfigurationError(f"--participant-db {value!r}: expected NAME=URL")
+        out[name] = url
+    return out
+
+
+def register_worker(commands: Any) -> None:
+    from saga_engine.worker import ROLES
+
+    parser = commands.add_parser(
+        "worker", help="run orchestrators, participants, relays, deadlines"
+    )
+    add_app(parser)
+    add_db(parser)
+    add_broker(parser)
+    parser.add_argument(
+        "--roles",
+        default=",".join(ROLES),
+        help=f"comma-separated subset of {','.join(ROLES)} (default: all)",
+    )
+    parser.add_argument(
+        "--participants",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated participants to run (default: all of the app's)",
+    )
+    parser.add_argument(
+        "--participant-db",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a participant's own database (repeatable)",
+    )
+    parser.set_defaults(run=run_worker)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from saga_engine.worker import Worker, WorkerOptions
+
+    app = load_app(args.app)
+    options = WorkerOptions(
+        db_url=args.db,
+        broker_url=args.broker,
+        roles=[r.strip() for r in args.roles.split(",") if r.strip()],
+        participants=args.participants.split(",") if args.participants else None,
+        participant_dbs=parse_participant_dbs(args.participant_db),
+    )
+    worker = Worker(app, options)
+    stop = stop_on_signals()
+    logging.getLogger(__name__).info("worker started: %s on %s", app, db.redact(args.db))
+    worker.run(stop)
+    return 0
+
+
+def register_start(commands: Any) -> None:
+    parser = commands.add_parser("start", help="start sagas (prints their ids)")
+    parser.add_argument("saga_type")
+    add_app(parser)
+    add_db(parser)
+    parser.add_argument("--data", required=True, metavar="JSON", help="the saga data as JSON")
+    parser.add_argument("--count", type=int, default=1, help="start this many (one transaction)")
+    parser.set_defaults(run=run_start)
+
+
+def run_start(args: argparse.Namespace) -> int:
+    import pydantic
+
+    app = load_app(args.app)
+    saga = app.saga(args.saga_type)
+    try:
+        data = saga.data_type.model_validate_json(args.data)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "data"
+        raise errors.ConfigurationError(
+            f"--data is not valid {saga.data_type.__name__}: {where}: {first['msg']}"
+        ) from None
+    if args.count < 1:
+        raise errors.ConfigurationError("--count must be at least 1")
+    engine = open_engine(args.db)
+    with engine.begin() as conn:
+        ids = [app.start(conn, saga, data) for _ in range(args.count)]
+    print("\n".join(ids))
+    return 0
+
+
+def register_status(commands: Any) -> None:
+    parser = commands.add_parser("status", help="sagas by state, outbox, duplicates, dead letters")
+    add_app(parser, required=False)
+    add_db(parser)
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.set_defaults(run=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from saga_engine import status
+
+    if args.app:
+        load_app(args.app)
+    report = status.collect(open_engine(args.db))
+    if args.json:
+        print_json(report)
+    else:
+        print(status.render(report, db.redact(args.db)))
+    return 0
+
+
+def register_diagram(commands: Any) -> None:
+    parser = commands.add_parser("diagram", help="draw every saga's state machine (Mermaid, SVG)")
+    add_app(parser)
+    parser.add_argument("--out", default="diagrams", metavar="DIR")
+    parser.set_defaults(run=run_diagram)
+
+
+def run_diagram(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from saga_engine import diagram
+
+    for path in diagram.write(load_app(args.app), Path(args.out)):
+        print(path)
+    return 0
+
+
+def register_demo(commands: Any) -> None:
+    parser = commands.add_parser("demo", help="run the order saga N times with injected failures")
+    parser.add_argument("--sagas", type=int, default=100)
+    parser.add_argument("--fail-rate", type=float, default=0.1)
+    add_db(parser, default=None)
+    add_broker(parser)
+    parser.add_argument("--json", action="store_true", help="end with one JSON object")
+    parser.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from saga_engine import demo
+
+    if args.sagas < 1 or not 0 <= args.fail_rate <= 1:
+        raise errors.ConfigurationError("--sagas must be >= 1 and --fail-rate within 0..1")
+    result = demo.run_demo(
+        sagas=args.sagas,
+        fail_rate=args.fail_rate,
+        db_url=args.db,
+        broker_url=args.broker,
+        as_json=args.json,
+    )
+    healthy = result["invariants_ok"] and not result["failed"] and not result["stuck"]
+    return 0 if healthy else 1
+
+
+REGISTRY: list[Callable[[Any], None]] = [
+    register_demo,
+    register_worker,
+    register_start,
+    register_status,
+    register_diagram,
+    register_relay,
+    register_cleanup,
+    register_outbox,
+    register_db,
+]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -72,6 +72,7 @@ class MessageConsumer:
         *,
         give_up: GiveUp | None = None,
         dedupe_key: DedupeKey = by_message_id,
+        on_commit: Callable[[], None] | None = None,
         config: ConsumerConfig | None = None,
         clock: clock.Clock = clock.SYSTEM,
     ) -> None:
@@ -84,6 +85,9 @@ class MessageConsumer:
         # What the inbox deduplicates on: the message id, or e.g. a command id that stays the
         # same when a command is sent again after a timeout.
         self.dedupe_key = dedupe_key
+        # Called after each local commit: a relay in this process can deliver the new outbox rows
+        # at once instead of at its next poll (databases without LISTEN/NOTIFY).
+        self.on_commit = on_commit or (lambda: None)
         self.config = config or ConsumerConfig()
         self.clock = clock
         self.inbox = Inbox(clock)
@@ -117,6 +121,7 @@ class MessageConsumer:
             log.info("batch of %d failed (%s); applying one by one", len(deliveries), error)
             self._apply_singly(deliveries)
             return
+        self.on_commit()
         self.consumer.commit(deliveries)
 
     def _apply_singly(self, deliveries: Sequence[Delivery]) -> None:
@@ -132,10 +137,12 @@ class MessageConsumer:
                     raise
                 if not retry:
                     continue
+                self.on_commit()
                 self.consumer.commit(deliveries[:index])
                 self.consumer.release(deliveries[index:])
                 time.sleep(self.config.retry_delay)
                 return
+        self.on_commit()
         self.consumer.commit(deliveries)
 
     def _retry_later(self, delivery: Delivery, error: BaseException) -> bool:

@@ -193,8 +193,9 @@ class _Run:
             if step is None:
                 self.fire(trigger, COMPLETED)
                 return
+            if self.instance.state != step.name:
+                self.instance.attempt = 0  # a retried local step keeps counting its attempts
             self.fire(trigger, step.name)
-            self.instance.attempt = 0
             assert step.action is not None
             if isinstance(step.action, Invoke):
                 self.send(step, DO, step.action)
@@ -279,7 +280,10 @@ class _Run:
         instance.wait_until(None, None)
         undo = state.startswith("compensate_") and state not in {s.name for s in self.saga.steps}
         step = self.saga.step_named(state.removeprefix("compensate_") if undo else state)
-        if kind == RETRY:
+        if kind == RETRY and not undo and isinstance(step.action, Local):
+            instance.attempt += 1
+            self.forward("retry", self.saga.steps.index(step))  # runs the local step again
+        elif kind == RETRY:
             instance.attempt += 1
             self.fire("retry", state)
             action = step.compensation if undo else step.action

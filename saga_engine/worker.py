@@ -131,10 +131,16 @@ class Worker:
             give_up=give_up,
             config=self.app.consumer_config,
             clock=self.app.clock,
+            on_commit=self.wake_relays,
             **extra,
         )
         self.consumers.append(consumer)
         self._thread(name, consumer.run)
+
+    def wake_relays(self) -> None:
+        for relay in self.relays:
+            if relay.wakeup is not None:
+                relay.wakeup.notify()
 
     def _thread(self, name: str, target: Callable[[threading.Event], None]) -> None:
         def guarded() -> None:

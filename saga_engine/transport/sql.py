@@ -37,8 +37,10 @@ class SqlTransport(Transport):
         lease: timedelta = timedelta(seconds=30),
         idle_poll: float = 0.05,
         clock: clock.Clock = clock.SYSTEM,
+        listen: bool = True,
     ) -> None:
         self.engine = engine
+        self.listen = listen  # LISTEN for wake-ups on PostgreSQL (off for deterministic tests)
         self.lease = lease
         self.idle_poll = idle_poll
         self.clock = clock
@@ -92,7 +94,8 @@ class SqlConsumer(Consumer):
         self.group = group
         self.channels = channels
         self.wakeup = Wakeup.for_engine(transport.engine, TRANSPORT_CHANNEL)
-        self.wakeup.start()
+        if transport.listen:
+            self.wakeup.start()
 
     def poll(self, max_messages: int, timeout: float) -> list[Delivery]:
         deadline = time.monotonic() + timeout

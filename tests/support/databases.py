@@ -59,9 +59,7 @@ def fresh_database(kind: str, tmp_path: Path, *, create_schema: bool = True) -> 
         _create_schema(url, create_schema)
         yield url
     finally:
-        drop = (
-            f"DROP DATABASE {name} WITH (FORCE)" if kind == "postgres" else f"DROP DATABASE {name}"
-        )
+        force = " WITH (FORCE)" if kind == "postgres" else ""  # ends leftover connections
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE {name}{force}"))
         admin.dispose()
