@@ -1,0 +1,521 @@
+"""Kafka transport, through kafka-python (3.x).
+
+``kafka://host:port[,host:port...][?option=value&...]``. Options: ``partitions`` (for topics this
+transport creates, default 8), ``replication_factor`` (default 1), ``client_id``,
+``max_poll_interval_ms``, ``session_timeout_ms`` and ``request_timeout_ms``.
+
+Publishing is per-message precise: every message of a batch gets its own acknowledgement, waited for
+against one shared deadline, so the relay marks exactly the acknowledged rows. The key is the
+partition key, so one aggregate's messages stay in one partition, in order.
+
+Consuming is at least once: offsets are committed only when the caller says its effects are
+committed, and ``release`` seeks back so given-back messages come again.
+
+Two kafka-python 3.0 behaviours shape this module. A client whose bootstrap fails leaves its IO
+thread running, so clients are only built after a TCP probe finds a broker. ``KafkaProducer.close``
+raises instead of closing while records are still pending, so a producer that failed is
+force-closed (see ``_retire_producer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import SplitResult, parse_qs
+
+from saga_engine import errors
+from saga_engine.transport.base import (
+    Consumer,
+    Delivery,
+    OutgoingMessage,
+    PublishResult,
+    Transport,
+)
+
+with warnings.catch_warnings():
+    # kafka-python 3.0 reads its protocol schemas with importlib.resources.read_text/open_text,
+    # deprecated since Python 3.11. The warning is about their code, and under ``-W error`` (or
+    # pytest's filterwarnings=error) it would make merely importing this module fail.
+    warnings.filterwarnings("ignore", r"(read|open)_text is deprecated", DeprecationWarning)
+    import kafka
+    import kafka.errors as kafka_errors
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9092
+OPTIONS = (
+    "partitions",
+    "replication_factor",
+    "client_id",
+    "max_poll_interval_ms",
+    "session_timeout_ms",
+    "request_timeout_ms",
+)
+
+#: Errors that concern one record, not the producer or the broker: the producer stays usable.
+_RECORD_ERRORS: tuple[type[BaseException], ...] = (
+    kafka_errors.MessageSizeTooLargeError,
+    kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidTopicError,
+    kafka_errors.InvalidRecordError,
+    kafka_errors.TopicAuthorizationFailedError,
+    TypeError,
+    ValueError,
+)
+
+# send() blocks while it fetches metadata for a topic it does not know yet, up to max_block_ms. It
+# is fixed per producer, so publish waits in slices of this length and checks its own deadline.
+_SEND_BLOCK_MS = 500
+
+
+class KafkaTransport(Transport):
+    """Publishes to and consumes from Kafka (or a Kafka-protocol broker such as tansu)."""
+
+    name = "kafka"
+
+    def __init__(
+        self,
+        bootstrap_servers: str | Sequence[str],
+        *,
+        partitions: int = 8,
+        replication_factor: int = 1,
+        client_id: str = "saga-engine",
+        max_poll_interval_ms: int = 300_000,
+        session_timeout_ms: int | None = None,
+        request_timeout_ms: int = 30_000,
+    ) -> None:
+        if isinstance(bootstrap_servers, str):
+            bootstrap_servers = bootstrap_servers.split(",")
+        self.bootstrap_servers = tuple(s.strip() for s in bootstrap_servers if s.strip())
+        if not self.bootstrap_servers:
+            raise errors.ConfigurationError("the kafka transport needs at least one host:port")
+        self.partitions = partitions
+        self.replication_factor = replication_factor
+        self.client_id = client_id
+        self.max_poll_interval_ms = max_poll_interval_ms
+        # Kafka's own defaults keep the session timeout below the poll interval; 10 s is well
+        # inside a broker's allowed range (6 s to 30 min by default) and detects a dead member
+        # quickly. Group joins on tansu wait about half of it, so tests lower the poll interval.
+        self.session_timeout_ms = session_timeout_ms or min(10_000, max_poll_interval_ms)
+        self.request_timeout_ms = request_timeout_ms
+        self._producer: Any = None
+        # One publish at a time: a failed publish replaces the producer, which must not happen
+        # under another thread's sends; batching makes the serialisation cheap.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, parts: SplitResult) -> KafkaTransport:
+        """Build from ``kafka://host:port[,host:port...][?option=value...]``."""
+        if parts.path not in ("", "/"):
+            raise errors.ConfigurationError(f"kafka URL must not have a path: {parts.geturl()!r}")
+        query = _single_values(parts.query)
+        unknown = sorted(set(query) - set(OPTIONS))
+        if unknown:
+            raise errors.ConfigurationError(
+                f"unknown kafka:// option {unknown[0]!r} (known: {', '.join(OPTIONS)})"
+            )
+        return cls(
+            _servers(parts.netloc),
+            partitions=_positive_int(query, "partitions", 8),
+            replication_factor=_positive_int(query, "replication_factor", 1),
+            client_id=query.get("client_id") or "saga-engine",
+            max_poll_interval_ms=_positive_int(query, "max_poll_interval_ms", 300_000),
+            session_timeout_ms=_positive_int(query, "session_timeout_ms", 0) or None,
+            request_timeout_ms=_positive_int(query, "request_timeout_ms", 30_000),
+        )
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        if not messages:
+            return []
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            producer, error = self._ensure_producer(deadline)
+            if producer is None:
+                return [PublishResult(m.message_id, error) for m in messages]
+            outcomes = self._send_all(producer, messages, deadline)
+            _flush(producer, deadline)
+            results = [
+                _await(message, sent, deadline)
+                for message, sent in zip(messages, outcomes, strict=True)
+            ]
+            if any(r.producer_broken for r in results):
+                # A timed-out or failed producer may hold records it keeps retrying, or be stuck
+                # in a fatal idempotence state (a restarted broker that lost our producer id
+                # answers every batch with an error). A fresh one starts clean.
+                self._retire_producer(grace=0.0)
+        return [r.result for r in results]
+
+    def _ensure_producer(self, deadline: float) -> tuple[Any, str]:
+        if self._producer is not None:
+            return self._producer, ""
+        try:
+            self._probe(deadline)
+            self._producer = kafka.KafkaProducer(**self._producer_config(deadline))
+        except errors.TransportError as exc:
+            return None, str(exc)
+        except (kafka_errors.KafkaError, OSError) as exc:
+            return None, f"cannot connect a producer to {self._servers_text}: {_describe(exc)}"
+        return self._producer, ""
+
+    def _producer_config(self, deadline: float) -> dict[str, Any]:
+        return {
+            "bootstrap_servers": list(self.bootstrap_servers),
+            "client_id": self.client_id,
+            # The relay marks a row sent only when every in-sync replica has it.
+            "acks": "all",
+            # The broker drops duplicate retried batches, so retries neither duplicate nor
+            # reorder a partition; idempotence allows at most 5 requests in flight per broker.
+            "enable_idempotence": True,
+            "max_in_flight_requests_per_connection": 5,
+            # The relay hands over whole batches and flushes, so linger only decides whether the
+            # sender starts before the batch is appended; a few ms lets each partition's records
+            # go out together. A large batch size sends a partition's share of a relay batch as
+            # one record batch: with the 16 KiB default, 500 envelopes of 1 KiB over 8 partitions
+            # leave as ~4 batches per partition, queued behind each other.
+            "linger_ms": 5,
+            "batch_size": 512 * 1024,
+            "max_block_ms": _SEND_BLOCK_MS,
+            "request_timeout_ms": self.request_timeout_ms,
+            # Bounds the producer's own retrying of a record (it must exceed linger + one
+            # request); after that it reports the record failed, as we already did.
+            "delivery_timeout_ms": 2 * self.request_timeout_ms,
+            "bootstrap_timeout_ms": _remaining_ms(deadline),
+        }
+
+    def _send_all(
+        self, producer: Any, messages: Sequence[OutgoingMessage], deadline: float
+    ) -> list[_Sent]:
+        stalled: set[str] = set()  # topics whose metadata did not arrive: fail fast, in order
+        outcomes = []
+        for message in messages:
+            sent = _send(producer, message, deadline, stalled)
+            if sent.error.startswith("no metadata"):
+                stalled.add(message.destination)
+            outcomes.append(sent)
+        return outcomes
+
+    def _retire_producer(self, grace: float) -> None:
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.close(timeout=grace)
+            return
+        except kafka_errors.KafkaError:
+            pass
+        # kafka-python 3.0's close() raises before force-closing while records are pending (its
+        # flush times out), leaving a thread that keeps retrying them. The caller already has
+        # them as failed, so abandon them; ``_sender`` is private, hence the guard.
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()
+        try:
+            producer.close(timeout=max(grace, 1.0))
+        except kafka_errors.KafkaError as exc:
+            log.warning("kafka producer did not close cleanly: %s", _describe(exc))
+
+    # -- channels and consumers -------------------------------------------------------------
+
+    def ensure_channels(self, channels: Sequence[str]) -> None:
+        """Create missing topics with ``partitions`` partitions; existing ones stay as they are."""
+        names = list(dict.fromkeys(channels))
+        if not names:
+            return
+        spec = {"num_partitions": self.partitions, "replication_factor": self.replication_factor}
+        admin = self._admin()
+        try:
+            response = admin.create_topics(
+                {name: dict(spec) for name in names}, raise_errors=False, wait_for_metadata=True
+            )
+        except kafka_errors.KafkaError as exc:
+            raise errors.TransportError(f"cannot create topics {names}: {_describe(exc)}") from exc
+        finally:
+            admin.close()
+        _check_created(response)
+
+    def _admin(self) -> Any:
+        return self._connect(
+            kafka.KafkaAdminClient,
+            "an admin client",
+            bootstrap_servers=list(self.bootstrap_servers),
+            client_id=self.client_id,
+            request_timeout_ms=self.request_timeout_ms,
+            bootstrap_timeout_ms=self.request_timeout_ms,
+        )
+
+    def _connect(self, factory: Any, what: str, **config: Any) -> Any:
+        """``factory(**config)`` once a broker answers TCP; kafka errors become TransportError."""
+        self._probe(time.monotonic() + self.request_timeout_ms / 1000)
+        try:
+            return factory(**config)
+        except kafka_errors.KafkaError as exc:
+            raise errors.TransportError(
+                f"cannot connect {what} to kafka at {self._servers_text}: {_describe(exc)}"
+            ) from exc
+
+    def consumer(self, group: str, channels: Sequence[str]) -> Consumer:
+        topics = list(dict.fromkeys(channels))
+        # Subscribing to a missing topic makes the broker create it with its own default partition
+        # count (4 on tansu, 1 on Kafka); creating it first gives it ours.
+        self.ensure_channels(topics)
+        client = self._connect(kafka.KafkaConsumer, "a consumer", **self._consumer_config(group))
+        try:
+            client.subscribe(topics=topics)
+        except (kafka_errors.KafkaError, TypeError, ValueError) as exc:
+            client.close(autocommit=False, timeout_ms=0)
+            raise errors.TransportError(f"cannot subscribe to {topics}: {_describe(exc)}") from exc
+        return KafkaGroupConsumer(client)
+
+    def _consumer_config(self, group: str) -> dict[str, Any]:
+        return {
+            "bootstrap_servers": list(self.bootstrap_servers),
+            "client_id": self.client_id,
+            "group_id": group,
+            # Offsets move only when the caller commits, after its own transaction committed.
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "max_poll_interval_ms": self.max_poll_interval_ms,
+            "session_timeout_ms": self.session_timeout_ms,
+            # Kafka's rule of thumb: three heartbeats per session timeout.
+            "heartbeat_interval_ms": max(1, self.session_timeout_ms // 3),
+            "request_timeout_ms": self.request_timeout_ms,
+            "bootstrap_timeout_ms": self.request_timeout_ms,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            self._retire_producer(grace=5.0)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    @property
+    def _servers_text(self) -> str:
+        return ",".join(self.bootstrap_servers)
+
+    def _probe(self, deadline: float) -> None:
+        """Raise TransportError unless some bootstrap server accepts a TCP connection."""
+        failures = []
+        for server in self.bootstrap_servers:
+            host, _, port = server.rpartition(":")
+            address = (host.strip("[]"), int(port))  # [::1]:9092 is an IPv6 host
+            try:
+                with socket.create_connection(address, timeout=_probe_timeout(deadline)):
+                    return
+            except OSError as exc:
+                failures.append(f"{server}: {exc.strerror or exc}")
+        raise errors.TransportError(f"kafka broker unreachable ({'; '.join(failures)})")
+
+
+class KafkaGroupConsumer(Consumer):
+    """A kafka-python consumer in a group; tokens are ``(TopicPartition, offset)``."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def poll(self, max_messages: int, timeout: float) -> list[Delivery]:
+        if max_messages < 1:
+            return []
+        try:
+            batches = self._client.poll(timeout_ms=int(timeout * 1000), max_records=max_messages)
+        except kafka_errors.KafkaError as exc:
+            raise errors.TransportError(f"kafka poll failed: {_describe(exc)}") from exc
+        return [_delivery(record) for records in batches.values() for record in records]
+
+    def commit(self, deliveries: Sequence[Delivery]) -> None:
+        # The committed offset is the next one to read: one past the highest delivered.
+        offsets = {
+            partition: kafka.OffsetAndMetadata(offset + 1, "", -1)
+            for partition, offset in _per_partition(deliveries, max).items()
+        }
+        if not offsets:
+            return
+        try:
+            self._client.commit(offsets=offsets)
+        except kafka_errors.KafkaError as exc:
+            # Typically a rebalance took the partition away: the new owner gets these again,
+            # which the inbox deduplicates.
+            raise errors.TransportError(f"kafka commit failed: {_describe(exc)}") from exc
+
+    def release(self, deliveries: Sequence[Delivery]) -> None:
+        """Seek back so everything from the lowest released offset of each partition comes again."""
+        assigned = self._client.assignment()
+        for partition, offset in _per_partition(deliveries, min).items():
+            # A partition that moved to another member will be read there from its committed
+            # offset, which is at or before these.
+            if partition in assigned:
+                self._client.seek(partition, offset)
+
+    def close(self) -> None:
+        try:
+            # Leaving the group promptly lets the others take over its partitions now, not after
+            # the session timeout; the bound keeps close() from hanging on a dead broker.
+            self._client.close(autocommit=False, timeout_ms=5000)
+        except kafka_errors.KafkaError as exc:
+            log.warning("kafka consumer did not close cleanly: %s", _describe(exc))
+
+
+# -- publishing helpers --------------------------------------------------------------------
+
+
+class _Sent:
+    """A send attempt: the future, or why there is none."""
+
+    __slots__ = ("error", "future", "producer_broken")
+
+    def __init__(self, future: Any = None, error: str = "", producer_broken: bool = False) -> None:
+        self.future = future
+        self.error = error
+        self.producer_broken = producer_broken
+
+
+class _Outcome:
+    __slots__ = ("producer_broken", "result")
+
+    def __init__(self, result: PublishResult, producer_broken: bool) -> None:
+        self.result = result
+        self.producer_broken = producer_broken
+
+
+def _send(producer: Any, message: OutgoingMessage, deadline: float, stalled: set[str]) -> _Sent:
+    topic = message.destination
+    if topic in stalled:
+        return _Sent(error=f"no metadata for topic {topic!r} in time", producer_broken=True)
+    while True:
+        try:
+            return _Sent(future=_send_one(producer, message))
+        except kafka_errors.KafkaTimeoutError:
+            # send() gave up waiting for the topic's metadata after one slice of max_block_ms.
+            if time.monotonic() >= deadline:
+                return _Sent(error=f"no metadata for topic {topic!r} in time", producer_broken=True)
+        except (kafka_errors.KafkaError, TypeError, ValueError) as exc:
+            return _Sent(error=_describe(exc), producer_broken=not isinstance(exc, _RECORD_ERRORS))
+
+
+def _send_one(producer: Any, message: OutgoingMessage) -> Any:
+    return producer.send(
+        message.destination,
+        key=message.partition_key.encode(),
+        value=message.value,
+        headers=list(message.headers),
+    )
+
+
+def _flush(producer: Any, deadline: float) -> None:
+    """Send lingering batches now; a timeout here shows up in the per-message waits."""
+    with contextlib.suppress(kafka_errors.KafkaError):
+        producer.flush(timeout=_remaining_ms(deadline) / 1000)
+
+
+def _await(message: OutgoingMessage, sent: _Sent, deadline: float) -> _Outcome:
+    if sent.future is None:
+        return _Outcome(PublishResult(message.message_id, sent.error), sent.producer_broken)
+    try:
+        sent.future.get(timeout=max(0.0, deadline - time.monotonic()))
+    except kafka_errors.KafkaTimeoutError:
+        error = "not acknowledged before the publish timeout"
+        return _Outcome(PublishResult(message.message_id, error), True)
+    except kafka_errors.KafkaError as exc:
+        broken = not isinstance(exc, _RECORD_ERRORS)
+        return _Outcome(PublishResult(message.message_id, _describe(exc)), broken)
+    return _Outcome(PublishResult(message.message_id), False)
+
+
+# -- consuming helpers ---------------------------------------------------------------------
+
+
+def _delivery(record: Any) -> Delivery:
+    key = record.key.decode("utf-8", "replace") if record.key is not None else ""
+    return Delivery(
+        channel=record.topic,
+        partition_key=key,
+        value=record.value if record.value is not None else b"",
+        token=(kafka.TopicPartition(record.topic, record.partition), record.offset),
+    )
+
+
+def _per_partition(deliveries: Sequence[Delivery], pick: Any) -> dict[Any, int]:
+    """The ``pick`` (min or max) offset per partition among ``deliveries``."""
+    offsets: dict[Any, int] = {}
+    for delivery in deliveries:
+        partition, offset = _token(delivery)
+        offsets[partition] = pick(offset, offsets.get(partition, offset))
+    return offsets
+
+
+def _token(delivery: Delivery) -> tuple[Any, int]:
+    token = delivery.token
+    if not (isinstance(token, tuple) and len(token) == 2):
+        raise errors.TransportError(f"not a kafka delivery token: {token!r}")
+    return token[0], int(token[1])
+
+
+# -- configuration helpers -----------------------------------------------------------------
+
+
+def _single_values(query: str) -> dict[str, str]:
+    values = parse_qs(query, keep_blank_values=True)
+    repeated = sorted(name for name, given in values.items() if len(given) > 1)
+    if repeated:
+        raise errors.ConfigurationError(f"kafka:// option {repeated[0]!r} is given twice")
+    return {name: given[0] for name, given in values.items()}
+
+
+def _servers(netloc: str) -> list[str]:
+    servers = [_server(item.strip()) for item in netloc.split(",") if item.strip()]
+    if not servers:
+        raise errors.ConfigurationError("kafka URL needs a host: kafka://host:port[,host:port]")
+    return servers
+
+
+def _server(item: str) -> str:
+    host, sep, port = item.rpartition(":")
+    if not sep:
+        host, port = item, str(DEFAULT_PORT)
+    if not host or "@" in host:
+        raise errors.ConfigurationError(f"kafka URL has a bad host {item!r}: expected host:port")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise errors.ConfigurationError(f"kafka URL has a bad port in {item!r}")
+    return f"{host}:{int(port)}"
+
+
+def _positive_int(query: dict[str, str], name: str, default: int) -> int:
+    if name not in query:
+        return default
+    text = query[name]
+    if not text.isdigit() or int(text) < 1:
+        raise errors.ConfigurationError(
+            f"kafka:// option {name} must be a positive integer, not {text!r}"
+        )
+    return int(text)
+
+
+def _check_created(response: dict[str, Any]) -> None:
+    for topic in response.get("topics", []):
+        error = kafka_errors.for_code(topic["error_code"])
+        if error is kafka_errors.NoError or issubclass(error, kafka_errors.TopicAlreadyExistsError):
+            continue
+        detail = topic.get("error_message") or error.__name__
+        raise errors.TransportError(f"cannot create topic {topic['name']!r}: {detail}")
+
+
+def _remaining_ms(deadline: float) -> int:
+    return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+def _probe_timeout(deadline: float) -> float:
+    return min(2.0, max(0.1, deadline - time.monotonic()))
+
+
+def _describe(exc: BaseException) -> str:
+    text, name = str(exc), type(exc).__name__
+    if text in ("", "None", name):
+        return name
+    return text if text.startswith(name) else f"{name}: {text}"

@@ -1,0 +1,347 @@
+"""The Kafka transport against a real Kafka-protocol broker (tansu, started by the tests).
+
+Consumer-group joins on tansu take about half the session timeout, so the broker URL sets
+``max_poll_interval_ms=3000`` (the session timeout follows it) and each consumer starts in ~2 s.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from urllib.parse import urlsplit
+
+import pytest
+
+from saga_engine import errors
+from saga_engine.transport import factory
+from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage
+from saga_engine.transport.kafka import KafkaTransport
+from tests.support.tansu import TansuBroker, free_port
+
+pytestmark = pytest.mark.kafka
+
+
+# kafka-python 3.0 does not close a socket whose connect() failed; while a broker is down its
+# reconnect attempts leak them, and their ResourceWarning would fail whichever test is running when
+# they are collected (filterwarnings=error). So tests that take a broker away ignore that warning,
+# keep kafka-python's log records (whose exception arguments reference the sockets) out of pytest's
+# log capture, and before they end wait for the clients' threads and collect the leaked sockets.
+def broker_outage(test: Callable[..., None]) -> Callable[..., None]:
+    test = pytest.mark.usefixtures("kafka_leaks_collected")(test)
+    return pytest.mark.filterwarnings("ignore:unclosed <socket:ResourceWarning")(test)
+
+
+@pytest.fixture
+def kafka_leaks_collected(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    caplog.set_level(logging.CRITICAL, logger="kafka")
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10
+    for thread in set(threading.enumerate()) - before:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    gc.collect()
+
+
+def kafka(url: str) -> KafkaTransport:
+    transport = factory.from_url(url)
+    assert isinstance(transport, KafkaTransport)
+    return transport
+
+
+@pytest.fixture
+def transport(kafka_url: str) -> Iterator[KafkaTransport]:
+    transport = kafka(kafka_url)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture
+def topic() -> str:
+    # Dots are legal in Kafka topic names and are how the engine names its channels.
+    return f"inventory.commands.{uuid.uuid4().hex[:8]}"
+
+
+def messages(
+    topic: str, keys: Sequence[str], per_key: int, start: int = 0
+) -> list[OutgoingMessage]:
+    """``per_key`` messages for each key, interleaved across keys, numbered from ``start``."""
+    return [
+        OutgoingMessage(
+            message_id=f"{key}-{seq}-{uuid.uuid4().hex[:6]}",
+            destination=topic,
+            partition_key=key,
+            value=f"{key}:{seq}".encode(),
+            headers=(("message_type", b"ReserveInventory"),),
+        )
+        for seq in range(start, start + per_key)
+        for key in keys
+    ]
+
+
+def receive(consumer: Consumer, count: int, timeout: float = 20.0) -> list[Delivery]:
+    """Poll until ``count`` deliveries arrived (the first poll includes the group join)."""
+    received: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(received) < count and time.monotonic() < deadline:
+        received += consumer.poll(max_messages=500, timeout=0.5)
+    assert len(received) == count, f"expected {count} deliveries, got {len(received)}"
+    return received
+
+
+def assert_quiet(consumer: Consumer, seconds: float = 1.5) -> None:
+    extra: list[Delivery] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        extra += consumer.poll(max_messages=500, timeout=0.3)
+    assert extra == [], f"unexpected deliveries: {[d.value for d in extra]}"
+
+
+def values(deliveries: Sequence[Delivery]) -> list[bytes]:
+    return [d.value for d in deliveries]
+
+
+def group() -> str:
+    return f"orders-orchestrator-{uuid.uuid4().hex[:8]}"
+
+
+# -- publishing -----------------------------------------------------------------------------
+
+
+def test_publish_returns_one_ok_result_per_message_in_order(
+    transport: KafkaTransport, topic: str
+) -> None:
+    transport.ensure_channels([topic])
+    batch = messages(topic, [f"order-{i}" for i in range(10)], per_key=5)
+
+    results = transport.publish(batch, timeout=10)
+
+    assert [r.message_id for r in results] == [m.message_id for m in batch]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+
+
+def test_partial_failure_is_reported_for_exactly_the_failed_messages(
+    transport: KafkaTransport, topic: str
+) -> None:
+    transport.ensure_channels([topic])
+    batch = messages(topic, ["order-1"], per_key=5)
+    too_large = OutgoingMessage("big", topic, "order-2", b"x" * (2 * 1024 * 1024))
+    bad_topic = OutgoingMessage("nowhere", "no spaces allowed", "order-3", b"{}")
+    batch[1:1] = [too_large]
+    batch[4:4] = [bad_topic]
+
+    results = transport.publish(batch, timeout=10)
+
+    assert [r.message_id for r in results] == [m.message_id for m in batch]
+    failed = {r.message_id: r.error for r in results if not r.ok}
+    assert set(failed) == {"big", "nowhere"}
+    assert "MessageSizeTooLarge" in str(failed["big"])
+    # A record-level failure does not cost the producer: the next batch goes straight through.
+    assert all(r.ok for r in transport.publish(messages(topic, ["order-1"], 2), timeout=10))
+
+
+def test_ensure_channels_is_idempotent(transport: KafkaTransport, topic: str) -> None:
+    transport.ensure_channels([topic, topic])
+    transport.ensure_channels([topic])
+    transport.ensure_channels([])
+
+
+# -- consuming ------------------------------------------------------------------------------
+
+
+def test_group_consumer_keeps_per_key_order_across_partitions(kafka_url: str, topic: str) -> None:
+    transport = kafka(f"{kafka_url}&partitions=3")
+    keys = [f"saga-{i}" for i in range(30)]
+    try:
+        transport.ensure_channels([topic])
+        for start in (0, 4, 8):  # three relay batches, each interleaving all keys
+            results = transport.publish(messages(topic, keys, per_key=4, start=start), timeout=10)
+            assert all(r.ok for r in results)
+
+        with transport.consumer(group(), [topic]) as consumer:
+            received = receive(consumer, len(keys) * 12)
+    finally:
+        transport.close()
+
+    sequences: dict[str, list[int]] = defaultdict(list)
+    partitions: dict[str, set[int]] = defaultdict(set)
+    for delivery in received:
+        key, seq = delivery.value.decode().split(":")
+        assert delivery.partition_key == key and delivery.channel == topic
+        sequences[key].append(int(seq))
+        partitions[key].add(delivery.token[0].partition)  # type: ignore[index]
+    assert sequences == {key: list(range(12)) for key in keys}
+    assert all(len(p) == 1 for p in partitions.values()), "a key spans partitions"
+    assert set().union(*partitions.values()) == {0, 1, 2}
+
+
+def test_committed_messages_are_not_delivered_again_uncommitted_ones_are(
+    transport: KafkaTransport, topic: str
+) -> None:
+    name = group()
+    keys = ["order-1", "order-2", "order-3"]
+    transport.ensure_channels([topic])
+    transport.publish(messages(topic, keys, per_key=4), timeout=10)
+
+    with transport.consumer(name, [topic]) as first:
+        first.commit(receive(first, 12))
+        transport.publish(messages(topic, keys, per_key=2, start=4), timeout=10)
+        uncommitted = receive(first, 6)  # read, never committed: the consumer "crashes"
+
+    with transport.consumer(name, [topic]) as second:
+        again = receive(second, 6)
+        assert sorted(values(again)) == sorted(values(uncommitted))
+        second.commit(again)
+        assert_quiet(second)
+
+
+def test_released_messages_are_delivered_again_from_the_lowest_released_offset(
+    transport: KafkaTransport, topic: str
+) -> None:
+    transport.ensure_channels([topic])
+    transport.publish(messages(topic, ["order-1"], per_key=6), timeout=10)
+
+    with transport.consumer(group(), [topic]) as consumer:
+        first = receive(consumer, 6)
+        consumer.release([first[3], first[5]])
+        again = receive(consumer, 3)
+        assert values(again) == values(first[3:])
+        assert [d.token for d in again] == [d.token for d in first[3:]]
+        consumer.commit(again)
+        assert_quiet(consumer)
+
+
+# -- broker outages -------------------------------------------------------------------------
+
+
+@broker_outage
+def test_publish_to_a_broker_that_is_not_running_returns_errors_in_time(topic: str) -> None:
+    transport = kafka(f"kafka://127.0.0.1:{free_port()}")
+    batch = messages(topic, ["order-1", "order-2"], per_key=2)
+    try:
+        started = time.monotonic()
+        results = transport.publish(batch, timeout=2.0)
+        elapsed = time.monotonic() - started
+
+        assert [r.message_id for r in results] == [m.message_id for m in batch]
+        assert all(not r.ok and "unreachable" in str(r.error) for r in results)
+        assert elapsed < 2.5
+        with pytest.raises(errors.TransportError):
+            transport.ensure_channels([topic])
+        with pytest.raises(errors.TransportError):
+            transport.consumer(group(), [topic])
+    finally:
+        transport.close()
+
+
+@broker_outage
+def test_publish_to_a_broker_that_never_answers_times_out_in_time(topic: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts TCP, never speaks Kafka
+        transport = kafka(f"kafka://127.0.0.1:{silent.getsockname()[1]}")
+        try:
+            started = time.monotonic()
+            results = transport.publish(messages(topic, ["order-1"], per_key=3), timeout=1.5)
+            elapsed = time.monotonic() - started
+        finally:
+            transport.close()
+    assert [r.ok for r in results] == [False, False, False]
+    assert 1.0 < elapsed < 3.0
+
+
+@broker_outage
+def test_publish_fails_while_the_broker_is_down_and_recovers_after_restart(
+    kafka_url: str,  # only for its skip-or-fail when tansu is missing
+    topic: str,
+) -> None:
+    broker = TansuBroker.start()
+    transport = kafka(broker.url)
+    try:
+        transport.ensure_channels([topic])
+        assert all(r.ok for r in transport.publish(messages(topic, ["order-1"], 3), timeout=10))
+
+        broker.stop()
+        for _ in range(2):  # the first call fails on the old producer, the next on reconnecting
+            started = time.monotonic()
+            down = transport.publish(messages(topic, ["order-1", "order-2"], 2), timeout=2.0)
+            assert [r.ok for r in down] == [False] * 4
+            assert time.monotonic() - started < 3.0
+
+        broker = TansuBroker.start(port=broker.port)  # memory storage: it starts empty
+        batch = messages(topic, ["order-1", "order-2"], 3, start=3)
+        up = transport.publish(batch, timeout=10)
+        assert all(r.ok for r in up), [r.error for r in up]
+        with transport.consumer(group(), [topic]) as consumer:
+            assert sorted(values(receive(consumer, len(batch)))) == sorted(values(batch))
+    finally:
+        transport.close()
+        broker.stop()
+
+
+@broker_outage
+def test_consumer_survives_a_broker_outage_and_commit_reports_it(
+    kafka_url: str,  # only for its skip-or-fail when tansu is missing
+    topic: str,
+) -> None:
+    broker = TansuBroker.start()
+    transport = kafka(f"{broker.url}&request_timeout_ms=2000")
+    try:
+        transport.ensure_channels([topic])
+        transport.publish(messages(topic, ["order-1"], 3), timeout=10)
+        consumer = transport.consumer(group(), [topic])
+        received = receive(consumer, 3)
+
+        broker.stop()
+        assert consumer.poll(max_messages=10, timeout=0.5) == []
+        started = time.monotonic()
+        with pytest.raises(errors.TransportError, match="commit"):
+            consumer.commit(received)
+        assert time.monotonic() - started < 4.0
+        consumer.release(received)
+        consumer.close()
+    finally:
+        transport.close()
+        broker.stop()
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+def test_url_options_are_parsed() -> None:
+    transport = kafka(
+        "kafka://a.example:9093,b.example?partitions=3&client_id=orders"
+        "&max_poll_interval_ms=4000&replication_factor=2"
+    )
+
+    assert transport.bootstrap_servers == ("a.example:9093", "b.example:9092")
+    assert (transport.partitions, transport.replication_factor) == (3, 2)
+    assert transport.client_id == "orders"
+    assert (transport.max_poll_interval_ms, transport.session_timeout_ms) == (4000, 4000)
+    assert kafka("kafka://h:1").session_timeout_ms == 10_000
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kafka://",
+        "kafka://:9092",
+        "kafka://broker:port",
+        "kafka://broker:9092/topic",
+        "kafka://broker:9092?partitions=0",
+        "kafka://broker:9092?partitions=many",
+        "kafka://broker:9092?partitions=2&partitions=3",
+        "kafka://broker:9092?acks=1",
+    ],
+)
+def test_bad_urls_are_configuration_errors(url: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as raised:
+        factory.from_url(url)
+    assert "\n" not in str(raised.value)
+
+
+def test_from_url_takes_split_parts() -> None:
+    assert KafkaTransport.from_url(urlsplit("kafka://h:1")).bootstrap_servers == ("h:1",)
