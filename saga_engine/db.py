@@ -21,7 +21,7 @@ def redact(url: str | sa.URL) -> str:
     """The URL with its password hidden: safe for logs, status output and error messages."""
     try:
         return make_url(url).render_as_string(hide_password=True)
-    except exc.ArgumentError:
+    except (exc.ArgumentError, ValueError):
         return "<invalid database URL>"
 
 
@@ -33,7 +33,7 @@ def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
     """
     try:
         parsed = make_url(url)
-    except exc.ArgumentError as error:
+    except (exc.ArgumentError, ValueError) as error:
         raise errors.ConfigurationError(f"bad database URL {redact(url)!r}: {error}") from None
     try:
         if parsed.get_backend_name() == "sqlite":

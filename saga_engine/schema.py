@@ -48,7 +48,7 @@ def _message_columns() -> list[sa.Column[object]]:
         sa.Column("correlation_id", sa.String(64)),
         sa.Column("causation_id", sa.String(64)),
         sa.Column("tenant_id", sa.String(64)),
-        sa.Column("headers", sa.Text(), nullable=False, server_default="{}"),
+        sa.Column("headers", sa.Text(), nullable=False),  # no DEFAULT: MySQL refuses one on TEXT
         sa.Column("payload", LongText, nullable=False),
         sa.Column("status", sa.SmallInteger(), nullable=False, server_default="0"),
         sa.Column("retry_count", sa.Integer(), nullable=False, server_default="0"),
@@ -148,7 +148,7 @@ saga_instances = sa.Table(
     sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
     sa.Column("command_id", sa.String(64)),
     # Compensatable steps that committed, in order: compensations run over it in reverse.
-    sa.Column("completed_steps", sa.Text(), nullable=False, server_default="[]"),
+    sa.Column("completed_steps", sa.Text(), nullable=False),  # no DEFAULT: MySQL refuses one on TEXT
     # Stored deadlines, not timers, so timeouts and retry back-offs survive restarts.
     sa.Column("deadline", Timestamp),
     sa.Column("deadline_kind", sa.String(16)),
