@@ -67,7 +67,9 @@ class Worker:
 
     def engine(self, url: str) -> Engine:
         if url not in self.engines:
-            engine = db.create_engine(url, pool_size=4)
+            # One connection per thread that may use this engine at once (consumers, deadlines,
+            # the SQL transport's claims); a smaller pool reconnects on every overflow.
+            engine = db.create_engine(url, pool_size=len(self.app.participants) + 4)
             db.check_connection(engine)
             self.engines[url] = engine
         return self.engines[url]
