@@ -53,6 +53,25 @@ class App:
         self.writer = OutboxWriter(max_payload_bytes=max_payload_bytes, clock=clock)
         self.orchestrator = Orchestrator(self.sagas, writer=self.writer, clock=clock)
 
+    def replace(
+        self,
+        *,
+        sagas: Sequence[Saga[Any]] | None = None,
+        participants: Sequence[Participant] | None = None,
+        clock: clock.Clock | None = None,
+    ) -> App:
+        """A copy with some parts swapped (the fault simulator swaps the clock and wraps steps)."""
+        return App(
+            self.name,
+            sagas=list(self.sagas.values()) if sagas is None else sagas,
+            participants=list(self.participants.values()) if participants is None else participants,
+            metadata=self.metadata,
+            relay=self.relay_config,
+            consumer=self.consumer_config,
+            max_payload_bytes=self.writer.max_payload_bytes,
+            clock=clock or self.clock,
+        )
+
     def _check(self, sagas: Sequence[Saga[Any]], participants: Sequence[Participant]) -> None:
         if len(self.sagas) != len(sagas):
             raise errors.DefinitionError(f"app {self.name!r}: two sagas share a name")

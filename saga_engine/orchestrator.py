@@ -14,6 +14,7 @@ saga is FAILED with its error, for an operator to see in ``saga-engine status``.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import uuid
 from datetime import datetime, timedelta
@@ -44,6 +45,15 @@ DO, UNDO = "do", "undo"
 SUCCESS, FAILURE = "success", "failure"
 TIMEOUT, RETRY = "timeout", "retry"
 _COMMAND_IDS = uuid.UUID("6f1c2a52-8a53-4d8e-9f6e-2c1d4d6b9a10")
+
+
+#: The id of the saga whose local step is running (for logging, or keys in the step's own rows).
+CURRENT_SAGA: contextvars.ContextVar[str] = contextvars.ContextVar("saga_engine_current_saga")
+
+
+def current_saga_id() -> str:
+    """Inside a local step or local compensation: the id of its saga."""
+    return CURRENT_SAGA.get()
 
 
 def command_channel(participant: str) -> str:
@@ -351,13 +361,17 @@ class _Run:
         """Run a local step in a savepoint, so a rejection undoes only its own writes."""
         assert isinstance(action, Local)
         data = self.data()
-        with Session(bind=self.conn, join_transaction_mode="create_savepoint") as session:
-            try:
-                result = action.action(data, session)
-                session.commit()
-            except BaseException:
-                session.rollback()
-                raise
+        token = CURRENT_SAGA.set(self.instance.id)
+        try:
+            with Session(bind=self.conn, join_transaction_mode="create_savepoint") as session:
+                try:
+                    result = action.action(data, session)
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
+        finally:
+            CURRENT_SAGA.reset(token)
         self.set_data(result if isinstance(result, BaseModel) else data)
 
     def remember(self, step: Step) -> None:

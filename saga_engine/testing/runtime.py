@@ -17,6 +17,7 @@ from saga_engine import errors, store
 from saga_engine.app import App
 from saga_engine.consumer import ConsumerConfig, MessageConsumer
 from saga_engine.outbox.relay import Relay, RelayConfig
+from saga_engine.participant import ParticipantService
 from saga_engine.transport.base import Transport
 from saga_engine.transport.sql import SqlTransport
 
@@ -48,6 +49,8 @@ class Runtime:
         transport: Transport | None = None,
         batch_size: int = 100,
         participant_engines: dict[str, Engine] | None = None,
+        services: Callable[[str], ParticipantService] | None = None,
+        relay_transport: Callable[[Transport], Transport] | None = None,
     ) -> None:
         self.app = app
         self.engine = engine
@@ -57,6 +60,7 @@ class Runtime:
         self.transport = transport or SqlTransport(
             engine, clock=self.clock, idle_poll=0.0, listen=False
         )
+        self.services = services or app.participant_service
         engines = {name: engine for name in app.participants} | (participant_engines or {})
         config = ConsumerConfig(
             batch_size=batch_size,
@@ -72,8 +76,9 @@ class Runtime:
             claim=app.relay_config.claim,
             max_retries=app.relay_config.max_retries,
         )
+        outgoing = relay_transport(self.transport) if relay_transport else self.transport
         self.relays = [
-            Relay(e, self.transport, relay_config, clock=self.clock)
+            Relay(e, outgoing, relay_config, clock=self.clock)
             for e in {id(e): e for e in [engine, *engines.values()]}.values()
         ]
 
@@ -91,7 +96,7 @@ class Runtime:
         )
 
     def _participant(self, name: str, engine: Engine, config: ConsumerConfig) -> MessageConsumer:
-        service = self.app.participant_service(name)
+        service = self.services(name)
         return MessageConsumer(
             service.consumer_name,
             engine,
