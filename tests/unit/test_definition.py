@@ -1,0 +1,132 @@
+"""Invalid saga definitions are rejected when the module is loaded, naming saga and step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from saga_engine import errors
+from saga_engine.app import App
+from saga_engine.definition import Saga, StepKind, step
+from saga_engine.machine import SagaMachine
+from saga_engine.messages import Message
+from saga_engine.participant import Participant
+
+
+class D(BaseModel):
+    n: int = 0
+
+
+class Cmd(Message):
+    n: int = 0
+
+
+def cmd(_: Any) -> Cmd:
+    return Cmd()
+
+
+def undo(_: Any) -> Cmd:
+    return Cmd(n=-1)
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        (
+            [step("a").invoke("p", cmd).compensate("p", undo), step("a").invoke("p", cmd)],
+            "saga 'bad', step 'a': duplicate step name",
+        ),
+        (
+            [step("a").invoke("p", cmd), step("b").invoke("p", cmd)],
+            "saga 'bad', step 'a': a compensatable step before the pivot needs .compensate(...)",
+        ),
+        (
+            [step("a").invoke("p", cmd).pivot(), step("b").invoke("p", cmd).compensate("p", undo)],
+            "saga 'bad', step 'b': a step after the pivot cannot be compensated",
+        ),
+        (
+            [step("a").invoke("p", cmd).retriable(), step("b").invoke("p", cmd).pivot()],
+            "saga 'bad', step 'a': a retriable step must come after the pivot",
+        ),
+        (
+            [step("a").invoke("p", cmd).pivot(), step("b").invoke("p", cmd).pivot()],
+            "saga 'bad', step 'b': more than one pivot",
+        ),
+        ([step("a")], "saga 'bad', step 'a': no action"),
+        (
+            [step("a").local(lambda d, s: None).on_reply(lambda d, r: d)],
+            "saga 'bad', step 'a': on_reply needs an .invoke(...) step",
+        ),
+        (
+            [step("a").invoke("p", cmd).timeout(5, "fail")],
+            "saga 'bad', step 'a': on_timeout='fail' needs a compensatable step",
+        ),
+        ([], "saga 'bad': a saga needs at least one step"),
+    ],
+)
+def test_invalid_definitions_are_rejected_with_saga_and_step(
+    steps: list[Any], message: str
+) -> None:
+    with pytest.raises(errors.DefinitionError) as raised:
+        Saga("bad", data=D, steps=steps)
+    assert str(raised.value).startswith(message)
+
+
+def test_data_must_be_a_pydantic_model() -> None:
+    with pytest.raises(errors.DefinitionError, match="data must be a pydantic model class"):
+        Saga("bad", data=dict, steps=[step("a").local(lambda d, s: None)])  # type: ignore[type-var]
+
+
+def test_unknown_participant_is_rejected_when_the_app_is_built() -> None:
+    saga = Saga("s", data=D, steps=[step("a").invoke("ghost", cmd)])
+    with pytest.raises(
+        errors.DefinitionError, match="saga 's', step 'a': unknown participant 'ghost'"
+    ):
+        App("x", sagas=[saga], participants=[Participant("real")])
+
+
+def test_without_a_pivot_the_last_step_is_the_pivot() -> None:
+    saga = Saga(
+        "s",
+        data=D,
+        steps=[step("a").invoke("p", cmd).compensate("p", undo), step("b").invoke("p", cmd)],
+    )
+    assert [s.kind for s in saga.steps] == [StepKind.COMPENSATABLE, StepKind.PIVOT]
+
+
+def test_kinds_are_inferred_around_the_pivot() -> None:
+    saga = Saga(
+        "s",
+        data=D,
+        steps=[
+            step("a").invoke("p", cmd).compensate("p", undo),
+            step("b").invoke("p", cmd).pivot(),
+            step("c").local(lambda d, s: None),  # after the pivot: retriable without saying so
+        ],
+    )
+    assert [s.kind for s in saga.steps] == [
+        StepKind.COMPENSATABLE,
+        StepKind.PIVOT,
+        StepKind.RETRIABLE,
+    ]
+
+
+def test_the_machine_refuses_moves_the_definition_does_not_allow() -> None:
+    saga = Saga(
+        "s",
+        data=D,
+        steps=[
+            step("a").invoke("p", cmd).compensate("p", undo),
+            step("b").invoke("p", cmd).when(lambda d: d.n > 0).compensate("p", undo),
+            step("c").invoke("p", cmd),
+        ],
+    )
+    machine = SagaMachine(saga)
+    assert machine.fire("a", "proceed", "c") == "c"  # b may be skipped: allowed
+    assert machine.fire("c", "fail", "compensate_a") == "compensate_a"  # b was skipped
+    with pytest.raises(errors.InvalidTransition):
+        machine.fire("a", "proceed", "COMPLETED")  # c cannot be skipped
+    with pytest.raises(errors.InvalidTransition):
+        machine.fire("COMPLETED", "fail", "compensate_a")
