@@ -107,7 +107,7 @@ def insert_ignoring_duplicates(
         # rowcount of ON CONFLICT DO NOTHING is not reported by every driver (psycopg 3 gives -1),
         # so ask the database which rows it inserted.
         insert = _upsert_insert(name)
-        key = list(table.primary_key.columns)[0]
+        key = next(iter(table.primary_key.columns))
         stmt = insert(table).on_conflict_do_nothing().returning(key)
         return sum(1 for row in rows if bind.execute(stmt, row).first() is not None)
     stmt = table.insert().prefix_with("IGNORE")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from transitions.extensions.diagrams import GraphMachine
 
@@ -24,7 +24,7 @@ class _Drawing:
     state: str = STARTED
 
 
-def _graph(saga: Saga[Any], engine: str) -> Any:
+def _graph(saga: Saga[Any], engine: Literal["mermaid", "graphviz"]) -> Any:
     model = _Drawing()
     transitions = [{k: v for k, v in e.items() if k != "conditions"} for e in edges(saga)]
     GraphMachine(
@@ -47,7 +47,7 @@ def mermaid(saga: Saga[Any]) -> str:
 
 def svg_available() -> bool:
     try:
-        import graphviz  # noqa: F401
+        import graphviz  # type: ignore[import-untyped]  # noqa: F401
     except ImportError:
         return False
     return shutil.which("dot") is not None

@@ -184,5 +184,7 @@ for _name, _statements in POSTGRES_TRIGGERS.items():
         sa.event.listen(
             metadata.tables[_name],
             "after_create",
-            sa.DDL(_statement.replace("%", "%%")).execute_if(dialect="postgresql"),
+            sa.DDL(_statement.replace("%", "%%")).execute_if(  # type: ignore[no-untyped-call]
+                dialect="postgresql"
+            ),
         )

@@ -57,7 +57,7 @@ def signals(
     engine: Engine, *, sample: int = 2000, clock: clock.Clock = clock.SYSTEM
 ) -> OutboxSignals:
     with engine.connect() as conn:
-        counts = dict(
+        counts: dict[int, int] = dict(
             conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
         )
         oldest = conn.scalar(

@@ -361,7 +361,7 @@ class Simulation:
         )
         self.saga = self.app.saga(saga.name)
         self._tmp = None if db_url else Path(tempfile.mkdtemp(prefix="saga-sim-", dir=_FAST_DIR))
-        url = db_url or f"sqlite:///{self._tmp / 'simulation.sqlite3'}"
+        url = db_url or f"sqlite:///{self._tmp}/simulation.sqlite3"
         if self._tmp is not None:
             shutil.copyfile(_template(self.app), self._tmp / "simulation.sqlite3")
         self.engine = db.create_engine(url)
@@ -447,7 +447,7 @@ class Simulation:
             return deliveries
         for index, delivery in enumerate(deliveries):
             envelope = Envelope.from_wire(delivery.value)
-            step = envelope.headers.get("step")
+            step = envelope.headers.get("step", "")
             key = envelope.headers.get("command_id", envelope.message_id)
             if (
                 step in delayed

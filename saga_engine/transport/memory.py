@@ -15,6 +15,7 @@ from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage, Publ
 
 class MemoryTransport(Transport):
     name = "memory"
+    atomic_publish = True  # all or nothing, as for the SQL transport
 
     def __init__(self) -> None:
         self.channels: dict[str, list[OutgoingMessage]] = defaultdict(list)
@@ -59,14 +60,19 @@ class MemoryConsumer(Consumer):
     def commit(self, deliveries: Sequence[Delivery]) -> None:
         with self.transport.lock:
             for delivery in deliveries:
-                channel, offset = delivery.token  # type: ignore[misc]
+                channel, offset = _position(delivery)
                 key = (self.group, channel)
                 self.transport.positions[key] = max(self.transport.positions[key], offset + 1)
 
     def release(self, deliveries: Sequence[Delivery]) -> None:
         for delivery in deliveries:
-            channel, offset = delivery.token  # type: ignore[misc]
+            channel, offset = _position(delivery)
             self.read[channel] = min(self.read.get(channel, offset), offset)
 
     def close(self) -> None:
         self.read.clear()
+
+
+def _position(delivery: Delivery) -> tuple[str, int]:
+    token: tuple[str, int] = delivery.token  # type: ignore[assignment]
+    return token
