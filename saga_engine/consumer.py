@@ -38,6 +38,7 @@ DedupeKey = Callable[[Envelope], str]
 def by_message_id(envelope: Envelope) -> str:
     return envelope.message_id
 
+
 DEFAULT_MAX_MESSAGE_BYTES = 1_048_576 + 64 * 1024  # the payload limit plus envelope fields
 
 
@@ -109,24 +110,32 @@ class MessageConsumer:
         return len(deliveries)
 
     def apply(self, deliveries: Sequence[Delivery]) -> None:
+        first_ran = False
         try:
             with self.engine.begin() as conn:
                 for delivery in deliveries:
                     self._apply_one(conn, delivery)
+                    first_ran = True
         except (exc.OperationalError, exc.InterfaceError):
             # The database itself is away: nothing was committed; let the deliveries come again.
             self.consumer.release(deliveries)
             raise
         except Exception as error:
             log.info("batch of %d failed (%s); applying one by one", len(deliveries), error)
-            self._apply_singly(deliveries)
+            # The first message of a batch ran exactly as it would alone: that run counts as its
+            # attempt, so a handler that keeps failing runs max_attempts times, not twice that.
+            self._apply_singly(deliveries, None if first_ran else error)
             return
         self.on_commit()
         self.consumer.commit(deliveries)
 
-    def _apply_singly(self, deliveries: Sequence[Delivery]) -> None:
+    def _apply_singly(
+        self, deliveries: Sequence[Delivery], first_error: Exception | None = None
+    ) -> None:
         for index, delivery in enumerate(deliveries):
             try:
+                if index == 0 and first_error is not None:
+                    raise first_error
                 with self.engine.begin() as conn:
                     self._apply_one(conn, delivery)
             except Exception as error:
@@ -167,6 +176,11 @@ class MessageConsumer:
         self._attempts.pop(envelope.message_id, None)
         self.stats.given_up += 1
         return False
+
+    def apply_one(self, conn: Connection, delivery: Delivery) -> None:
+        """Apply one delivery inside ``conn``'s transaction without acknowledging it (the fault
+        simulator uses this to crash between the local commit and the broker commit)."""
+        self._apply_one(conn, delivery)
 
     def _apply_one(self, conn: Connection, delivery: Delivery) -> None:
         envelope = self._decode(conn, delivery)

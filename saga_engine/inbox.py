@@ -50,6 +50,7 @@ class RedisClient(Protocol):
     def set(self, name: str, value: str, *, nx: bool, ex: int) -> Any: ...
     def delete(self, *names: str) -> Any: ...
     def incr(self, name: str) -> Any: ...
+    def get(self, name: str) -> Any: ...
 
 
 class RedisDedupe:
@@ -75,11 +76,18 @@ class RedisDedupe:
     def _key(self, consumer: str, message_id: str) -> str:
         return f"{self.prefix}:{consumer}:{message_id}"
 
+    def _duplicates_key(self, consumer: str) -> str:
+        return f"{self.prefix}:duplicates:{consumer}"
+
     def first_time(self, consumer: str, message_id: str) -> bool:
         if self.client.set(self._key(consumer, message_id), "1", nx=True, ex=self.ttl_seconds):
             return True
-        self.client.incr(f"{self.prefix}:duplicates:{consumer}")
+        self.client.incr(self._duplicates_key(consumer))
         return False
+
+    def duplicates(self, consumer: str) -> int:
+        """How many duplicates ``consumer`` skipped (the counter has no TTL)."""
+        return int(self.client.get(self._duplicates_key(consumer)) or 0)
 
     def forget(self, consumer: str, message_id: str) -> None:
         """Undo :meth:`first_time` after the handler's transaction rolled back."""

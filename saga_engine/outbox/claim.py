@@ -59,7 +59,7 @@ class Claim:
     """
 
     conn: Connection
-    rows: list[sa.Row[Any]]
+    rows: list[Any]  # sa.Row of ROW_COLUMNS
     token: str | None = None
 
 
@@ -86,7 +86,7 @@ class SkipLockedClaim(ClaimStrategy):
             # that ORDER BY + FOR UPDATE may return rows out of order only when the key is updated).
             rows = conn.execute(
                 sa.select(*ROW_COLUMNS)
-                .where(t.c.status == PENDING, t.c.next_retry_at <= now)
+                .where(t.c.status == PENDING, t.c.next_retry_at <= now, not_behind_backoff(now))
                 .order_by(t.c.id)
                 .limit(limit)
                 .with_for_update(skip_locked=True)
@@ -117,30 +117,46 @@ class OptimisticClaim(ClaimStrategy):
             yield Claim(conn, publishable, token=token)
             conn.commit()
 
-    def _take(self, conn: Connection, token: str, limit: int, now: datetime) -> list[sa.Row[Any]]:
+    def _take(self, conn: Connection, token: str, limit: int, now: datetime) -> list[Any]:
         free = sa.or_(t.c.lease_until.is_(None), t.c.lease_until < now)
         candidates = conn.scalars(
             sa.select(t.c.id)
-            .where(t.c.status == PENDING, t.c.next_retry_at <= now, free)
+            .where(t.c.status == PENDING, t.c.next_retry_at <= now, free, not_behind_backoff(now))
             .order_by(t.c.id)
             .limit(limit)
         ).all()
         if not candidates:
             return []
         # The article's optimistic lock: only rows still PENDING and unleased change hands; a row
-        # another relay took between the SELECT and this UPDATE is simply not ours.
-        conn.execute(
-            sa.update(t)
+        # another relay took since the SELECT is simply not ours. The rows are locked in id order
+        # before they are changed: an UPDATE ... IN locks in scan order (physical order on
+        # PostgreSQL), so two claims, or a claim and another relay's marks, could each hold a row
+        # the other waits for, a deadlock. See also ``lock_in_id_order``.
+        rows = conn.execute(
+            sa.select(*ROW_COLUMNS)
             .where(t.c.id.in_(candidates), t.c.status == PENDING, free)
-            .values(claimed_by=token, lease_until=now + self.lease)
-        )
-        return list(
+            .order_by(t.c.id)
+            .with_for_update()
+        ).all()
+        if rows:
             conn.execute(
-                sa.select(*ROW_COLUMNS)
-                .where(t.c.id.in_(candidates), t.c.claimed_by == token)
-                .order_by(t.c.id)
-            ).all()
-        )
+                sa.update(t)
+                .where(t.c.id.in_([row.id for row in rows]))
+                .values(claimed_by=token, lease_until=now + self.lease)
+            )
+        return list(rows)
+
+
+def lock_in_id_order(conn: Connection, row_ids: Sequence[int]) -> None:
+    """Lock outbox rows in id order before a transaction changes several of them.
+
+    Every such transaction (claims, and the marks of a leased batch) locks in the same order, so
+    none can hold one row while waiting for another that a second one holds. SQLite has no row
+    locks (one writer at a time) and ignores this.
+    """
+    conn.execute(
+        sa.select(t.c.id).where(t.c.id.in_(row_ids)).order_by(t.c.id).with_for_update()
+    ).all()
 
 
 def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
@@ -152,7 +168,20 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
     )
 
 
-def order_guard(conn: Connection, rows: Sequence[sa.Row[Any]]) -> list[sa.Row[Any]]:
+def not_behind_backoff(now: datetime) -> sa.ColumnElement[bool]:
+    """The row's key has no row waiting in retry backoff.
+
+    Rows queued behind a failed message could only be held back by the order guard, yet they come
+    first by id: a few hundred of them would fill every batch and starve all other keys until it
+    succeeds. Normally the row in backoff is its key's earliest unsent one (the guard saw to it),
+    so the whole key waits. Uncorrelated on purpose: PostgreSQL hashes this NOT IN, where a
+    correlated NOT EXISTS was planned as a nested loop, quadratic on a table without statistics.
+    """
+    in_backoff = sa.select(t.c.partition_key).where(t.c.status == PENDING, t.c.next_retry_at > now)
+    return t.c.partition_key.not_in(in_backoff)
+
+
+def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     """The rows that may be published now without overtaking an earlier message of their key.
 
     For each key among ``rows``, find the earliest PENDING row of that key that is not in ``rows``

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from sqlalchemy import Engine
@@ -21,6 +22,11 @@ OUTBOX_CHANNEL = "saga_engine_outbox"
 TRANSPORT_CHANNEL = "saga_engine_transport"
 LIVENESS_PROBE_SECONDS = 1.0
 RECONNECT_DELAY_SECONDS = 1.0
+#: How often a wait looks at its stop event: a signal handler only sets the event, it cannot
+#: wake a thread blocked on another one, and a long poll interval must not delay shutdown.
+STOP_CHECK_SECONDS = 0.1
+#: Shown in pg_stat_activity, so operators (and tests) can tell the listener from pooled sessions.
+APPLICATION_NAME = "saga-engine-listen"
 
 
 class Wakeup:
@@ -46,7 +52,15 @@ class Wakeup:
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         """Wait for a wake-up, the timeout or ``stop``; True if woken."""
-        woken = self._event.wait(timeout)
+        deadline = time.monotonic() + timeout
+        woken = False
+        while not woken and not (stop is not None and stop.is_set()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            woken = self._event.wait(
+                remaining if stop is None else min(remaining, STOP_CHECK_SECONDS)
+            )
         self._event.clear()
         return woken and not (stop is not None and stop.is_set())
 
@@ -82,14 +96,20 @@ class Wakeup:
         import psycopg
 
         assert self.conninfo is not None
-        with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
+        with psycopg.connect(
+            self.conninfo, autocommit=True, connect_timeout=5, application_name=APPLICATION_NAME
+        ) as conn:
             conn.execute(f'LISTEN "{self.channel}"')
             self._event.set()  # whatever was notified while we were away is in the table
+            probed = time.monotonic()
             while not self._stopping.is_set():
                 for _ in _notifies(conn):
                     self._event.set()
-                conn.execute("SELECT 1")  # liveness: a dead connection raises here
+                if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
+                    conn.execute("SELECT 1")  # liveness: a dead connection raises here
+                    probed = time.monotonic()
 
 
 def _notifies(conn: Any) -> Any:
-    return conn.notifies(timeout=LIVENESS_PROBE_SECONDS, stop_after=1000)
+    # A short timeout, so that stop() (every relay and consumer shutdown) is not held up by it.
+    return conn.notifies(timeout=STOP_CHECK_SECONDS, stop_after=1000)

@@ -1,11 +1,11 @@
 """The message relay: claims outbox rows in batches, publishes them, marks the results.
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
-all with one broker round trip, mark every acknowledged row SENT with one UPDATE, and give each
-failed row ``retry_count + 1`` and an exponential, jittered ``next_retry_at`` (FAILED past
-``max_retries``). Nothing is marked before the broker acknowledged it, so a relay killed at any
-point loses nothing: whatever it had in flight is published again and the consumers' inbox absorbs
-the duplicate.
+(one broker round trip per message of its busiest key: see ``_publish_in_key_order``), mark
+every acknowledged row SENT with one UPDATE, and give each failed row ``retry_count + 1`` and an
+exponential, jittered ``next_retry_at`` (FAILED past ``max_retries``). Nothing is marked before
+the broker acknowledged it, so a relay killed at any point loses nothing: whatever it had in flight
+is published again and the consumers' inbox absorbs the duplicate.
 
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the poll interval, or a stop request, whichever comes first.
@@ -18,8 +18,9 @@ import json
 import logging
 import random
 import threading
+from collections import deque
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -37,7 +38,7 @@ t = schema.outbox
 
 @dataclasses.dataclass(frozen=True)
 class RelayConfig:
-    """Relay tuning. ``batch_size`` ≈ peak rate × poll interval / relays (docs/outbox.md)."""
+    """Relay tuning. ``batch_size`` ≈ peak rate * poll interval / relays (docs/outbox.md)."""
 
     batch_size: int = 500
     poll_interval: float = 0.5
@@ -58,7 +59,9 @@ class RelayConfig:
 
     def backoff(self, retry_count: int, rng: random.Random) -> float:
         """Seconds before attempt ``retry_count + 1``: min(cap, base·2^retry), ±jitter."""
-        delay = min(self.backoff_cap, self.backoff_base * 2**retry_count)
+        # The exponent is capped: every sane cap is reached long before 2^64, and a float
+        # overflows past 2^1023 (max_retries may be set very high).
+        delay = min(self.backoff_cap, self.backoff_base * 2.0 ** min(retry_count, 64))
         return delay * (1 + self.jitter * (2 * rng.random() - 1))
 
 
@@ -125,20 +128,70 @@ class Relay:
         with self.strategy.claim(self.engine, self.config.batch_size, now) as batch:
             if not batch.rows:
                 return BatchOutcome(0, 0, 0, 0)
-            results = self.transport.publish(
-                [to_outgoing(row) for row in batch.rows], self.config.ack_timeout
-            )
+            results, unsent = self._publish_in_key_order(batch.rows)
             outcome = self._mark(batch, results)
+            if unsent and batch.token is not None:
+                # Not attempted: hand the lease back now rather than make them wait it out.
+                claims.release(batch.conn, [row.id for row in unsent], batch.token)
         self._count(outcome)
         return outcome
+
+    def _publish_in_key_order(
+        self, rows: Sequence[sa.Row[Any]]
+    ) -> tuple[list[PublishResult], list[sa.Row[Any]]]:
+        """Publish ``rows`` in waves, wave i holding the i-th row of each key; returns the results
+        and the rows left unattempted.
+
+        Sent in one call, a transport that fails message 1 of a key may still deliver message 2
+        (results are per message), and 2 would overtake 1. So a row goes out only after the
+        previous row of its key was acknowledged, and a key whose row failed drops out of the
+        batch: its later rows stay PENDING behind it, where the order guard keeps them. A batch of
+        distinct keys is still one round trip, and so is any batch for a transport whose
+        ``atomic_publish`` says it acknowledges a whole call or none of it.
+        """
+        if self.transport.atomic_publish:
+            return self._publish(rows), []
+        queues: dict[str, deque[sa.Row[Any]]] = {}
+        for row in rows:
+            queues.setdefault(row.partition_key, deque()).append(row)
+        results: list[PublishResult] = []
+        unsent: list[sa.Row[Any]] = []
+        while queues:
+            wave = [queue.popleft() for queue in queues.values()]
+            wave_results = self._publish(wave)
+            results += wave_results
+            for row, result in zip(wave, wave_results, strict=True):
+                if not result.ok:
+                    unsent += queues.pop(row.partition_key)
+            queues = {key: queue for key, queue in queues.items() if queue}
+        return results, unsent
+
+    def _publish(self, rows: Sequence[sa.Row[Any]]) -> list[PublishResult]:
+        """One result per row, in row order, whatever the transport does."""
+        messages = [to_outgoing(row) for row in rows]
+        try:
+            results = self.transport.publish(messages, self.config.ack_timeout)
+        except Exception as error:  # the port says publish never raises; a broken adapter that
+            # does must still not stop the relay, and must cost its rows an attempt (no hot loop).
+            log.exception("transport %s raised instead of reporting", self.transport.name)
+            reason = f"transport raised {type(error).__name__}: {error}"
+            return [PublishResult(m.message_id, reason) for m in messages]
+        by_id = {r.message_id: r for r in results}
+        missing = "the transport returned no result for this message"
+        return [by_id.get(m.message_id) or PublishResult(m.message_id, missing) for m in messages]
 
     def _mark(self, batch: claims.Claim, results: Sequence[PublishResult]) -> BatchOutcome:
         now = self.clock.now()
         by_id = {row.message_id: row for row in batch.rows}
         sent = [by_id[r.message_id].id for r in results if r.ok]
         failures = [(by_id[r.message_id], r.error or "unknown") for r in results if not r.ok]
+        if batch.token is not None:
+            # A leased batch is marked in a transaction of its own, so it takes its locks in the
+            # same order as the claims do (see ``claims.lock_in_id_order``).
+            claims.lock_in_id_order(batch.conn, [row.id for row in batch.rows])
+        marked = 0
         if sent:
-            batch.conn.execute(
+            marked = batch.conn.execute(
                 self._owned(sa.update(t).where(t.c.id.in_(sent)), batch.token).values(
                     status=schema.OutboxStatus.SENT,
                     sent_at=now,
@@ -146,14 +199,17 @@ class Relay:
                     claimed_by=None,
                     lease_until=None,
                 )
-            )
+            ).rowcount
+            if marked < len(sent):
+                # Our lease ran out mid-publish and another relay owns them: it will send again.
+                log.warning("%d published rows were no longer ours to mark", len(sent) - marked)
         retried = failed = 0
         if failures:
             rows = [self._failure_values(row, error, now) for row, error in failures]
-            failed = sum(1 for r in rows if r["status"] == schema.OutboxStatus.FAILED)
+            failed = sum(1 for r in rows if r["new_status"] == schema.OutboxStatus.FAILED)
             retried = len(rows) - failed
             batch.conn.execute(self._failure_statement(batch.token), rows)
-        return BatchOutcome(len(sent), retried, failed, len(batch.rows))
+        return BatchOutcome(marked, retried, failed, len(batch.rows))
 
     @staticmethod
     def _owned(stmt: sa.Update, token: str | None) -> sa.Update:
@@ -261,7 +317,9 @@ def to_outgoing(row: sa.Row[Any]) -> OutgoingMessage:
         "correlation_id": row.correlation_id,
         "causation_id": row.causation_id,
         "tenant_id": row.tenant_id,
-        "created_at": row.created_at.isoformat(),
+        # Stored naive (UTC by convention, see ``clock``); on the wire say so, or a consumer in
+        # another time zone or language would read it as local time.
+        "created_at": row.created_at.replace(tzinfo=UTC).isoformat(),
         "headers": json.loads(row.headers) if row.headers != "{}" else {},
     }
     return OutgoingMessage(

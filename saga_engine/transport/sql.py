@@ -29,6 +29,9 @@ q = schema.transport_messages
 
 class SqlTransport(Transport):
     name = "sql"
+    #: A publish is one transaction, all or nothing, so a later message of a key can never be
+    #: acknowledged while an earlier one in the same call failed: the relay sends whole batches.
+    atomic_publish = True
 
     def __init__(
         self,
@@ -46,6 +49,8 @@ class SqlTransport(Transport):
         self.clock = clock
 
     def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        if not messages:
+            return []
         now = self.clock.now()
         rows = [
             {
@@ -119,22 +124,29 @@ class SqlConsumer(Consumer):
             ).all()
             if not candidates:
                 return []
+            # Lock the still-free candidates in id order before leasing them, as the outbox claims
+            # do (``claims.lock_in_id_order``): an UPDATE ... IN locks in scan order and two
+            # consumers claiming at once could deadlock.
+            rows = conn.execute(
+                sa.select(q.c.id, q.c.channel, q.c.partition_key, q.c.body)
+                .where(q.c.id.in_(candidates), free)
+                .order_by(q.c.id)
+                .with_for_update()
+            ).all()
+            if not rows:
+                return []
             conn.execute(
                 sa.update(q)
-                .where(q.c.id.in_(candidates), free)
+                .where(q.c.id.in_([r.id for r in rows]))
                 .values(
                     lease_owner=token,
                     lease_until=now + self.transport.lease,
                     deliveries=q.c.deliveries + 1,
                 )
             )
-            rows = conn.execute(
-                sa.select(q.c.id, q.c.channel, q.c.partition_key, q.c.body)
-                .where(q.c.id.in_(candidates), q.c.lease_owner == token)
-                .order_by(q.c.id)
-            ).all()
             ready = _order_guard(conn, rows)
-            _release(conn, [r.id for r in rows if r.id not in {x.id for x in ready}])
+            ready_ids = {r.id for r in ready}
+            _release(conn, [r.id for r in rows if r.id not in ready_ids])
         return [Delivery(r.channel, r.partition_key, bytes(r.body), token=r.id) for r in ready]
 
     def commit(self, deliveries: Sequence[Delivery]) -> None:
@@ -158,7 +170,7 @@ def _release(conn: Connection, row_ids: Sequence[Any]) -> None:
         )
 
 
-def _order_guard(conn: Connection, rows: Sequence[sa.Row[Any]]) -> list[sa.Row[Any]]:
+def _order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     """Rows with no earlier row of the same channel and key left in the table (but ours)."""
     if not rows:
         return []

@@ -1,0 +1,142 @@
+"""Batched cleanup (and archiving) of delivered outbox rows, as a function and through the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from saga_engine import clock, db, ids, schema
+from saga_engine.outbox.cleanup import CleanupResult, cleanup
+
+t = schema.outbox
+h = schema.outbox_history
+SENT, PENDING, FAILED = (
+    schema.OutboxStatus.SENT,
+    schema.OutboxStatus.PENDING,
+    schema.OutboxStatus.FAILED,
+)
+CLI = str(Path(sys.executable).with_name("saga-engine"))
+
+
+class ClockDouble:
+    def __init__(self, now: datetime) -> None:
+        self.current = now
+
+    def now(self) -> datetime:
+        return self.current
+
+
+def row(status: int, age: timedelta, now: datetime, n: int) -> dict[str, Any]:
+    at = now - age
+    return {
+        "message_id": ids.new_id(),
+        "aggregate_type": "Order",
+        "aggregate_id": f"o-{n}",
+        "message_type": "OrderCreated",
+        "destination": "orders.events",
+        "partition_key": f"o-{n}",
+        "headers": "{}",
+        "payload": json.dumps({"order_id": f"o-{n}", "n": n}),
+        "status": status,
+        "retry_count": 0,
+        "next_retry_at": at,
+        "created_at": at,
+        "updated_at": at,
+        "sent_at": at if status == SENT else None,
+    }
+
+
+def fill(engine: sa.Engine, now: datetime) -> dict[str, list[dict[str, Any]]]:
+    """2,500 old SENT rows, plus rows cleanup must keep: recent SENT, old PENDING and FAILED."""
+    old, week = timedelta(days=8), timedelta(days=7)
+    groups = {
+        "old_sent": [row(SENT, old, now, n) for n in range(2500)],
+        "recent_sent": [row(SENT, week - timedelta(minutes=5), now, n) for n in range(100)],
+        "old_pending": [row(PENDING, old, now, n) for n in range(50)],
+        "old_failed": [row(FAILED, old, now, n) for n in range(20)],
+    }
+    with engine.begin() as conn:
+        for rows in groups.values():
+            conn.execute(t.insert(), rows)
+    return groups
+
+
+def message_ids(engine: sa.Engine, table: sa.Table) -> set[str]:
+    with engine.connect() as conn:
+        return set(conn.scalars(sa.select(table.c.message_id)))
+
+
+def kept(groups: dict[str, list[dict[str, Any]]]) -> set[str]:
+    return {r["message_id"] for name, rows in groups.items() if name != "old_sent" for r in rows}
+
+
+def setup(url: str, engines: list[object]) -> sa.Engine:
+    engine = db.create_engine(url)
+    engines.append(engine)
+    return engine
+
+
+@pytest.mark.parametrize("archive", [False, True], ids=["delete", "archive"])
+def test_cleanup_removes_only_old_sent_rows_in_batches(
+    db_url: str, engines: list[object], archive: bool
+) -> None:
+    engine = setup(db_url, engines)
+    now = datetime(2030, 6, 1, 12, 0, 0)
+    groups = fill(engine, now)
+
+    result = cleanup(engine, batch_size=1000, archive=archive, clock=ClockDouble(now))
+
+    assert result == CleanupResult(deleted=2500, archived=2500 if archive else 0, batches=3)
+    assert message_ids(engine, t) == kept(groups)
+    if archive:
+        with engine.connect() as conn:
+            history = {r.message_id: r for r in conn.execute(sa.select(h))}
+        assert set(history) == {r["message_id"] for r in groups["old_sent"]}
+        sample = groups["old_sent"][1234]
+        copy = history[sample["message_id"]]
+        assert (copy.payload, copy.status, copy.sent_at) == (
+            sample["payload"],
+            SENT,
+            sample["sent_at"],
+        )
+        assert {r.archived_at for r in history.values()} == {now}
+    else:
+        assert message_ids(engine, h) == set()
+    assert cleanup(engine, batch_size=1000, clock=ClockDouble(now)) == CleanupResult(0, 0, 0)
+
+
+@pytest.mark.sqlite
+def test_cleanup_stops_after_max_batches(sqlite_url: str, engines: list[object]) -> None:
+    engine = setup(sqlite_url, engines)
+    now = datetime(2030, 6, 1, 12, 0, 0)
+    fill(engine, now)
+    first = cleanup(engine, batch_size=1000, max_batches=1, clock=ClockDouble(now))
+    assert first == CleanupResult(deleted=1000, archived=0, batches=1)
+    rest = cleanup(engine, batch_size=1000, clock=ClockDouble(now))
+    assert rest == CleanupResult(deleted=1500, archived=0, batches=2)
+    with pytest.raises(ValueError):
+        cleanup(engine, batch_size=0)
+
+
+def test_cleanup_through_the_cli(db_url: str, engines: list[object]) -> None:
+    engine = setup(db_url, engines)
+    groups = fill(engine, clock.SYSTEM.now())  # the CLI uses the wall clock
+
+    done = subprocess.run(
+        [CLI, "cleanup", "--db", db_url, "--batch-size", "1000", "--archive"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"deleted": 2500, "archived": 2500, "batches": 3}
+    assert message_ids(engine, t) == kept(groups)
+    assert len(message_ids(engine, h)) == 2500

@@ -1,0 +1,596 @@
+"""The relay against real databases: retries and backoff, outages, leases, order under races, NOTIFY.
+
+Time is stepped with :class:`ClockDouble` instead of slept; broker behaviour comes from transport
+doubles (named ``...Double``) that fail chosen or random messages, alone or in front of the real
+SQL-table transport.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from saga_engine import db, schema
+from saga_engine.messages import Envelope
+from saga_engine.outbox import OutboxWriter, admin
+from saga_engine.outbox import claim as claims
+from saga_engine.outbox.relay import BatchOutcome, Relay, RelayConfig
+from saga_engine.transport.base import Consumer, OutgoingMessage, PublishResult, Transport
+from saga_engine.transport.sql import SqlTransport
+
+t = schema.outbox
+PENDING, SENT, FAILED = schema.OutboxStatus
+START = datetime(2030, 1, 1, 12, 0, 0)
+
+
+class ClockDouble:
+    """A clock the test steps by hand (the ``clock.Clock`` protocol)."""
+
+    def __init__(self, start: datetime = START) -> None:
+        self.current = start
+
+    def now(self) -> datetime:
+        return self.current
+
+    def advance(self, seconds: float) -> None:
+        self.current += timedelta(seconds=seconds)
+
+
+class FailingTransportDouble(Transport):
+    """Fails the message ids in ``failing`` (every message while ``down``); the others succeed,
+    through ``inner`` when one is given. Records each publish call's message ids."""
+
+    name = "failing-double"
+
+    def __init__(self, inner: Transport | None = None) -> None:
+        self.inner = inner
+        self.failing: set[str] = set()
+        self.down = False
+        self.calls: list[list[str]] = []
+        self.on_publish: Callable[[Sequence[OutgoingMessage]], None] | None = None
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        self.calls.append([m.message_id for m in messages])
+        if self.on_publish is not None:
+            self.on_publish(messages)
+        if self.down:
+            return [PublishResult(m.message_id, "broker unreachable (double)") for m in messages]
+        results = {
+            m.message_id: PublishResult(m.message_id, f"rejected {m.message_id} (double)")
+            for m in messages
+            if m.message_id in self.failing
+        }
+        accepted = [m for m in messages if m.message_id not in self.failing]
+        if self.inner is not None and accepted:
+            results.update((r.message_id, r) for r in self.inner.publish(accepted, timeout))
+        else:
+            results.update((m.message_id, PublishResult(m.message_id)) for m in accepted)
+        return [results[m.message_id] for m in messages]
+
+    def consumer(self, group: str, channels: Sequence[str]) -> Consumer:
+        assert self.inner is not None
+        return self.inner.consumer(group, channels)
+
+    @property
+    def published(self) -> list[str]:
+        return [message_id for call in self.calls for message_id in call]
+
+
+class RaisingTransportDouble(FailingTransportDouble):
+    """Breaks the port's contract by raising instead of returning per-message errors."""
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        raise RuntimeError("adapter bug (double)")
+
+
+class RandomFailureTransportDouble(Transport):
+    """Fails ~``rate`` of publishes at random and logs, under one lock, every attempt in order.
+
+    ``violations`` collects attempts of a message made before every earlier message of its key
+    (``order[message_id] = (key, n)``) had been acknowledged: the per-key order guarantee.
+    """
+
+    name = "random-double"
+
+    def __init__(self, order: dict[str, tuple[str, int]], rate: float, seed: int) -> None:
+        self.order = order
+        self.rate = rate
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.attempts: list[tuple[str, bool]] = []
+        self.acked: dict[str, set[int]] = defaultdict(set)
+        self.violations: list[str] = []
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        results = []
+        with self.lock:
+            for m in messages:
+                key, n = self.order[m.message_id]
+                missing = set(range(n)) - self.acked[key]
+                if missing:
+                    self.violations.append(f"{key}#{n} attempted before #{min(missing)} was acked")
+                ok = self.rng.random() >= self.rate
+                self.attempts.append((m.message_id, ok))
+                if ok:
+                    self.acked[key].add(n)
+                results.append(PublishResult(m.message_id, None if ok else "random failure"))
+        time.sleep(self.rng.random() * 0.002)  # let the relays interleave
+        return results
+
+    def consumer(self, group: str, channels: Sequence[str]) -> Consumer:
+        raise NotImplementedError
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def envelope(key: str, n: int = 0, destination: str = "ticks") -> Envelope:
+    return Envelope(
+        message_type="Tick",
+        destination=destination,
+        partition_key=key,
+        aggregate_type="Ticker",
+        aggregate_id=key,
+        payload={"key": key, "n": n},
+    )
+
+
+def make_engine(url: str, engines: list[object], pool_size: int = 5) -> sa.Engine:
+    engine = db.create_engine(url, pool_size=pool_size)
+    engines.append(engine)
+    return engine
+
+
+def write(engine: sa.Engine, envelopes: Iterable[Envelope], clock: Any = None) -> list[Envelope]:
+    envelopes = list(envelopes)
+    writer = OutboxWriter() if clock is None else OutboxWriter(clock=clock)
+    with engine.begin() as conn:
+        writer.add_many(conn, envelopes)
+    return envelopes
+
+
+def outbox_rows(engine: sa.Engine) -> dict[str, sa.Row[Any]]:
+    with engine.connect() as conn:
+        return {r.message_id: r for r in conn.execute(sa.select(t).order_by(t.c.id))}
+
+
+def count(engine: sa.Engine, table: sa.Table, *where: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.select(sa.func.count()).select_from(table).where(*where)) or 0)
+
+
+def drain(relay: Relay, limit: int = 100) -> list[BatchOutcome]:
+    """run_once until a pass claims nothing."""
+    outcomes = []
+    for _ in range(limit):
+        outcome = relay.run_once()
+        if outcome.claimed == 0:
+            return outcomes
+        outcomes.append(outcome)
+    raise AssertionError(f"relay still busy after {limit} passes")
+
+
+def assert_delay(row: sa.Row[Any], now: datetime, expected: float, jitter: float) -> None:
+    delay = (row.next_retry_at - now).total_seconds()
+    assert expected * (1 - jitter) - 1e-6 <= delay <= expected * (1 + jitter) + 1e-6, (
+        delay,
+        expected,
+    )
+
+
+# -- 1. retries, backoff, FAILED, requeue -------------------------------------------------------
+
+
+def test_one_failure_in_a_batch_leaves_the_others_sent(db_url: str, engines: list[object]) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    sent = write(engine, [envelope(f"k{i}") for i in range(5)], clock)
+    transport = FailingTransportDouble()
+    transport.failing = {sent[2].message_id}
+    config = RelayConfig(batch_size=10, backoff_base=2.0, backoff_cap=60.0, jitter=0.2)
+    relay = Relay(engine, transport, config, clock=clock, rng=random.Random(1))
+
+    assert relay.run_once() == BatchOutcome(published=4, retried=1, failed=0, claimed=5)
+
+    rows = outbox_rows(engine)
+    bad = rows.pop(sent[2].message_id)
+    assert {(r.status, r.retry_count, r.sent_at, r.last_error) for r in rows.values()} == {
+        (SENT, 0, START, None)
+    }
+    assert (bad.status, bad.retry_count, bad.sent_at) == (PENDING, 1, None)
+    assert bad.last_error == f"rejected {sent[2].message_id} (double)"
+    assert bad.claimed_by is None and bad.lease_until is None
+    assert_delay(bad, START, 2.0, 0.2)
+    assert (relay.stats.published, relay.stats.retried, relay.stats.failed) == (4, 1, 0)
+
+
+def test_backoff_doubles_to_the_cap_then_failed_until_requeued(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    first = write(engine, [envelope("a")], clock)[0]
+    transport = FailingTransportDouble()
+    transport.failing = {first.message_id}
+    config = RelayConfig(max_retries=5, backoff_base=1.0, backoff_cap=4.0, jitter=0.25)
+    relay = Relay(engine, transport, config, clock=clock, rng=random.Random(2))
+
+    # Failure n sets retry_count = n and waits min(cap, base * 2^(n-1)) +- jitter; the 5th is final.
+    for attempt, expected_delay in enumerate([1.0, 2.0, 4.0, 4.0], start=1):
+        assert relay.run_once().retried == 1
+        (row,) = outbox_rows(engine).values()
+        assert (row.status, row.retry_count) == (PENDING, attempt)
+        assert row.last_error == f"rejected {first.message_id} (double)"
+        assert_delay(row, clock.now(), expected_delay, 0.25)
+        clock.current = row.next_retry_at - timedelta(milliseconds=1)
+        assert relay.run_once().claimed == 0  # not due yet
+        clock.current = row.next_retry_at
+    assert relay.run_once() == BatchOutcome(published=0, retried=0, failed=1, claimed=1)
+    (row,) = outbox_rows(engine).values()
+    assert (row.status, row.retry_count, row.sent_at) == (FAILED, 5, None)
+    assert row.last_error == f"rejected {first.message_id} (double)"
+    clock.advance(86_400)  # a FAILED row is never picked up again on its own
+    assert relay.run_once().claimed == 0
+
+    # A second FAILED message, so that re-queueing by id can be told from re-queueing all.
+    second = write(engine, [envelope("b")], clock)[0]
+    transport.failing = {second.message_id}
+    for _ in range(5):
+        relay.run_once()
+        clock.advance(10)
+    assert admin.signals(engine, clock=clock).failed == 2
+    assert relay.stats.failed == 2
+    transport.failing.clear()
+    assert admin.requeue_failed(engine, [first.message_id], clock=clock) == 1
+    assert relay.run_once() == BatchOutcome(published=1, retried=0, failed=0, claimed=1)
+    rows = outbox_rows(engine)
+    assert (rows[first.message_id].status, rows[first.message_id].retry_count) == (SENT, 0)
+    assert rows[second.message_id].status == FAILED
+    assert admin.requeue_failed(engine, clock=clock) == 1
+    assert relay.run_once().published == 1
+    signals = admin.signals(engine, clock=clock)
+    assert (signals.pending, signals.sent, signals.failed) == (0, 2, 0)
+
+
+def test_a_transport_that_raises_counts_as_failed_publishes(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    write(engine, [envelope("a"), envelope("b")], clock)
+    relay = Relay(engine, RaisingTransportDouble(), RelayConfig(), clock=clock)
+    assert relay.run_once() == BatchOutcome(published=0, retried=2, failed=0, claimed=2)
+    rows = outbox_rows(engine).values()
+    assert {(r.status, r.retry_count) for r in rows} == {(PENDING, 1)}
+    assert all("adapter bug (double)" in r.last_error for r in rows)
+
+
+def test_a_key_in_backoff_does_not_starve_other_keys(db_url: str, engines: list[object]) -> None:
+    """The rows queued behind a failed head of one key must not fill every batch."""
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    hot = write(engine, [envelope("hot", n) for n in range(12)], clock)
+    cold = write(engine, [envelope("cold")], clock)[0]
+    transport = FailingTransportDouble()
+    transport.failing = {hot[0].message_id}
+    relay = Relay(engine, transport, RelayConfig(batch_size=5, backoff_base=60), clock=clock)
+
+    relay.run_once()  # the head of "hot" fails and backs off for a minute
+    clock.advance(1)
+    drain(relay)
+    rows = outbox_rows(engine)
+    assert rows[cold.message_id].status == SENT
+    assert [rows[e.message_id].status for e in hot] == [PENDING] * 12
+    assert hot[1].message_id not in transport.published  # nothing of "hot" overtook its head
+
+    transport.failing.clear()
+    clock.advance(120)
+    drain(relay)
+    assert {r.status for r in outbox_rows(engine).values()} == {SENT}
+
+
+class CountingSqlTransportDouble(SqlTransport):
+    """The real SQL transport, counting the messages of each publish call."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(engine)
+        self.calls: list[int] = []
+
+    def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
+        self.calls.append(len(messages))
+        return super().publish(messages, timeout)
+
+
+def test_a_batch_goes_out_in_waves_unless_the_transport_is_atomic(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    write(engine, [envelope("a", n) for n in range(3)] + [envelope("b", 0)], clock)
+    per_message = FailingTransportDouble()  # results per message: one of a key at a time
+    assert Relay(engine, per_message, clock=clock).run_once().published == 4
+    assert [len(call) for call in per_message.calls] == [2, 1, 1]
+
+    write(engine, [envelope("c", n) for n in range(20)], clock)
+    atomic = CountingSqlTransportDouble(engine)  # all or nothing: the whole batch at once
+    assert Relay(engine, atomic, clock=clock).run_once().published == 20
+    assert atomic.calls == [20]
+
+
+# -- 2. broker outage ---------------------------------------------------------------------------
+
+
+def test_broker_outage_keeps_messages_pending_then_delivers_them(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    messages = write(engine, [envelope(f"k{i % 5}", i // 5) for i in range(20)], clock)
+    broker = FailingTransportDouble(SqlTransport(engine))
+    broker.down = True
+    relay = Relay(engine, broker, RelayConfig(backoff_base=1.0), clock=clock)
+
+    for _ in range(3):  # the outage outlasts several passes
+        relay.run_once()
+        clock.advance(30)
+    rows = outbox_rows(engine)
+    assert {r.status for r in rows.values()} == {PENDING}
+    assert {rows[m.message_id].retry_count for m in messages[:5]} == {3}  # each key's head
+    assert count(engine, schema.transport_messages) == 0
+
+    broker.down = False
+    drain(relay)
+    assert {r.status for r in outbox_rows(engine).values()} == {SENT}
+    with engine.connect() as conn:
+        delivered = conn.execute(
+            sa.select(schema.transport_messages.c.message_id).order_by(
+                schema.transport_messages.c.id
+            )
+        ).scalars()
+        delivered_ids = list(delivered)
+    assert sorted(delivered_ids) == sorted(m.message_id for m in messages)  # each exactly once
+    position = {message_id: i for i, message_id in enumerate(delivered_ids)}
+    for key in range(5):
+        of_key = [m.message_id for m in messages if m.partition_key == f"k{key}"]
+        assert sorted(of_key, key=position.__getitem__) == of_key
+
+
+# -- 4. per-key order under several relays and random failures ----------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["auto", "optimistic"])
+def test_per_key_order_holds_under_four_relays_and_random_failures(
+    db_url: str, engines: list[object], strategy: str
+) -> None:
+    # On SQLite "auto" is the optimistic claim, so both parameters run the same path there.
+    engine = make_engine(db_url, engines, pool_size=6)
+    keys, per_key = 30, 6
+    messages = write(engine, [envelope(f"k{i % keys}", i // keys) for i in range(keys * per_key)])
+    order = {m.message_id: (m.partition_key, m.payload["n"]) for m in messages}
+    broker = RandomFailureTransportDouble(order, rate=0.2, seed=4)
+    config = RelayConfig(
+        batch_size=16,
+        backoff_base=0.002,
+        backoff_cap=0.02,
+        jitter=0.5,
+        max_retries=1000,
+        claim=strategy,
+    )
+    relays = [Relay(engine, broker, config) for _ in range(4)]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def work(relay: Relay) -> None:
+        try:
+            while not done.is_set():
+                if relay.run_once().claimed == 0:
+                    time.sleep(0.002)
+        except BaseException as error:
+            errors.append(error)
+            done.set()
+
+    threads = [threading.Thread(target=work, args=(relay,)) for relay in relays]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while count(engine, t, t.c.status != SENT) and time.monotonic() < deadline and not errors:
+        time.sleep(0.05)
+    done.set()
+    for thread in threads:
+        thread.join(10)
+
+    assert errors == []
+    assert broker.violations == []
+    assert sum(1 for _, ok in broker.attempts if not ok) > 20  # retries really happened
+    acked = [message_id for message_id, ok in broker.attempts if ok]
+    assert sorted(acked) == sorted(order)  # every message acknowledged exactly once
+    first_attempts: dict[str, list[int]] = defaultdict(list)
+    for message_id in dict.fromkeys(m for m, _ in broker.attempts):
+        key, n = order[message_id]
+        first_attempts[key].append(n)
+    assert all(ns == list(range(per_key)) for ns in first_attempts.values())
+    assert sum(r.stats.published for r in relays) == len(messages)
+    assert sum(1 for r in relays if r.stats.published) >= 2
+
+
+# -- 6. optimistic claims and leases ------------------------------------------------------------
+
+
+@pytest.mark.mariadb
+def test_optimistic_claims_never_share_a_row(mariadb_url: str, engines: list[object]) -> None:
+    engine = make_engine(mariadb_url, engines, pool_size=8)
+    clock = ClockDouble()
+    write(engine, [envelope(f"k{i}") for i in range(100)], clock)
+    strategy = claims.OptimisticClaim(timedelta(seconds=30))
+    assert claims.strategy_for(engine, "optimistic").name == "optimistic"
+
+    with strategy.claim(engine, 40, clock.now()) as a, strategy.claim(engine, 40, clock.now()) as b:
+        with engine.connect() as conn:
+            owners = dict(conn.execute(sa.select(t.c.id, t.c.claimed_by)).all())
+        assert {owners[r.id] for r in a.rows} == {a.token}
+        assert {owners[r.id] for r in b.rows} == {b.token}
+        assert len(a.rows) == len(b.rows) == 40 and not {r.id for r in a.rows} & {
+            r.id for r in b.rows
+        }
+    # Unmarked rows stay leased: nobody takes them until the lease runs out...
+    with strategy.claim(engine, 100, clock.now()) as c:
+        assert len(c.rows) == 20
+    with strategy.claim(engine, 100, clock.now() + timedelta(seconds=29)) as d:
+        assert d.rows == []
+    # ...and then anyone may.
+    with strategy.claim(engine, 100, clock.now() + timedelta(seconds=31)) as e:
+        assert len(e.rows) == 100
+
+    # Four claimers racing for the same rows, released at the same instant, again and again.
+    for round_ in range(5):
+        now = clock.now() + timedelta(minutes=round_ + 2)  # every earlier lease has run out
+        taken = race_claims(engine, strategy, now, claimers=4, limit=60)
+        flat = [row_id for ids in taken for row_id in ids]
+        assert flat and len(flat) == len(set(flat)), taken  # no row has two owners
+
+
+def race_claims(
+    engine: sa.Engine, strategy: claims.ClaimStrategy, now: datetime, claimers: int, limit: int
+) -> list[list[int]]:
+    barrier = threading.Barrier(claimers)
+    taken: list[list[int]] = [[] for _ in range(claimers)]
+
+    def take(slot: int) -> None:
+        barrier.wait()
+        with strategy.claim(engine, limit, now) as claim:
+            taken[slot] = [r.id for r in claim.rows]
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(claimers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return taken
+
+
+def test_an_expired_lease_is_reclaimed_and_the_old_owner_cannot_mark(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    messages = write(engine, [envelope(f"k{i}") for i in range(3)], clock)
+    config = RelayConfig(claim="optimistic", lease_seconds=30, backoff_base=5)
+    thief_transport = FailingTransportDouble()
+    thief_transport.failing = {m.message_id for m in messages}
+    thief = Relay(engine, thief_transport, config, clock=clock)
+    slow = FailingTransportDouble()
+    stolen: list[BatchOutcome] = []
+
+    def stall(_: Sequence[OutgoingMessage]) -> None:
+        # While the slow relay publishes, its lease runs out and another relay takes the rows.
+        leases = {(r.claimed_by is not None, r.lease_until) for r in outbox_rows(engine).values()}
+        assert leases == {(True, START + timedelta(seconds=30))}
+        clock.advance(31)
+        stolen.append(thief.run_once())
+
+    slow.on_publish = stall
+    owner = Relay(engine, slow, config, clock=clock)
+    assert owner.run_once().published == 0  # its marks hit rows it no longer owns
+    assert stolen == [BatchOutcome(published=0, retried=3, failed=0, claimed=3)]
+    # The thief's record of its failed attempt survives; the rows come again (at least once).
+    assert {(r.status, r.retry_count) for r in outbox_rows(engine).values()} == {(PENDING, 1)}
+    thief_transport.failing.clear()
+    clock.advance(60)
+    assert thief.run_once().published == 3
+    assert {r.status for r in outbox_rows(engine).values()} == {SENT}
+
+
+# -- 7. SQLite: one file, one writer at a time --------------------------------------------------
+
+
+@pytest.mark.sqlite
+def test_sqlite_writer_and_relay_share_one_file(sqlite_url: str, engines: list[object]) -> None:
+    app = make_engine(sqlite_url, engines)
+    relay_engine = make_engine(sqlite_url, engines, pool_size=2)
+    relay = Relay(relay_engine, SqlTransport(relay_engine), RelayConfig(poll_interval=0.01))
+    assert relay.strategy.name == "optimistic"
+    orders = sa.Table("orders", sa.MetaData(), sa.Column("id", sa.String(36), primary_key=True))
+    orders.metadata.create_all(app)
+    relay.start()
+    try:
+        writer = OutboxWriter()
+        for i in range(200):
+            with app.begin() as conn:
+                conn.execute(orders.insert(), {"id": f"o{i}"})
+                writer.add(conn, envelope(f"o{i}"))
+        deadline = time.monotonic() + 30
+        while count(app, t, t.c.status == SENT) < 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        relay.stop()
+    assert count(app, t, t.c.status == SENT) == 200
+    q = schema.transport_messages
+    with app.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count(sa.distinct(q.c.message_id)))) == 200
+    assert count(app, q) == 200 and count(app, orders) == 200
+    assert relay.stats.errors == 0
+
+
+# -- 11. NOTIFY wake-ups on PostgreSQL ----------------------------------------------------------
+
+
+def _listener_pid(engine: sa.Engine, other_than: int | None = None) -> int | None:
+    with engine.connect() as conn:
+        return conn.scalar(
+            sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND application_name = 'saga-engine-listen' AND pid <> :other"
+            ),
+            {"other": other_than or 0},
+        )
+
+
+def _delivery_latency(engine: sa.Engine, key: str) -> float:
+    message = envelope(key)
+    started = time.perf_counter()
+    write(engine, [message])
+    while count(engine, t, t.c.message_id == message.message_id, t.c.status == SENT) == 0:
+        assert time.perf_counter() - started < 4, "not woken: delivered only by polling"
+        time.sleep(0.005)
+    return time.perf_counter() - started
+
+
+def _wait_for(predicate: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return value
+
+
+@pytest.mark.postgres
+def test_notify_wakes_the_relay_and_survives_a_killed_listener(
+    pg_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(pg_url, engines)
+    relay = Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
+    engines.append(relay.engine)
+    relay.start()
+    try:
+        first_pid = _wait_for(lambda: _listener_pid(engine), 5)
+        time.sleep(0.2)  # let the wake-up that follows every (re)connect pass
+        before = [_delivery_latency(engine, f"before-{i}") for i in range(3)]
+
+        with engine.connect() as conn:
+            assert conn.scalar(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first_pid})
+        _wait_for(lambda: _listener_pid(engine, other_than=first_pid), 10)
+        time.sleep(0.2)
+        after = [_delivery_latency(engine, f"after-{i}") for i in range(3)]
+    finally:
+        relay.stop()
+    print(f"NOTIFY delivery latency: before {before}, after reconnect {after}")
+    assert max(before + after) < 1.0
+    assert relay.stats.errors == 0
