@@ -104,6 +104,7 @@ class Relay:
         self.wakeup = wakeup
         self.rng = rng or random.Random()
         self.stats = RelayStats()
+        self._outage_streak = 0  # consecutive batches of which nothing was acknowledged
         self.strategy = claims.strategy_for(
             engine, self.config.claim, timedelta(seconds=self.config.lease_seconds)
         )
@@ -184,7 +185,8 @@ class Relay:
         now = self.clock.now()
         by_id = {row.message_id: row for row in batch.rows}
         sent = [by_id[r.message_id].id for r in results if r.ok]
-        failures = [(by_id[r.message_id], r.error or "unknown") for r in results if not r.ok]
+        failures = [(by_id[r.message_id], r) for r in results if not r.ok]
+        self._outage_streak = self._outage_streak + 1 if failures and not sent else 0
         if batch.token is not None:
             # A leased batch is marked in a transaction of its own, so it takes its locks in the
             # same order as the claims do (see ``claims.lock_in_id_order``).
@@ -205,7 +207,7 @@ class Relay:
                 log.warning("%d published rows were no longer ours to mark", len(sent) - marked)
         retried = failed = 0
         if failures:
-            rows = [self._failure_values(row, error, now) for row, error in failures]
+            rows = [self._failure_values(row, result, now) for row, result in failures]
             failed = sum(1 for r in rows if r["new_status"] == schema.OutboxStatus.FAILED)
             retried = len(rows) - failed
             batch.conn.execute(self._failure_statement(batch.token), rows)
@@ -228,15 +230,24 @@ class Relay:
             lease_until=None,
         )
 
-    def _failure_values(self, row: sa.Row[Any], error: str, now: datetime) -> dict[str, Any]:
-        retry_count = row.retry_count + 1
-        exhausted = retry_count >= self.config.max_retries
-        delay = self.config.backoff(row.retry_count, self.rng)
+    def _failure_values(
+        self, row: sa.Row[Any], result: PublishResult, now: datetime
+    ) -> dict[str, Any]:
+        error = result.error or "unknown"
+        if result.unreachable:
+            # An outage is nobody's message's fault: wait (growing with the outage) but keep the
+            # retry budget, so a broker down for hours delays messages and never fails them.
+            retry_count, exhausted = row.retry_count, False
+            delay = self.config.backoff(min(self._outage_streak, 16), self.rng)
+        else:
+            retry_count = row.retry_count + 1
+            exhausted = retry_count >= self.config.max_retries
+            delay = self.config.backoff(row.retry_count, self.rng)
         log.warning(
-            "outbox message %s to %s failed (attempt %d): %s",
+            "outbox message %s to %s failed (%s): %s",
             row.message_id,
             row.destination,
-            retry_count,
+            "broker unreachable" if result.unreachable else f"attempt {retry_count}",
             error,
         )
         return {

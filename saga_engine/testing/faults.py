@@ -252,7 +252,10 @@ class _FaultyBroker(Transport):
         i = self.injector
         i.publishes += 1
         if any(f.first <= i.publishes < f.first + f.passes for f in i.schedule.of(BrokerOutage)):
-            return [PublishResult(m.message_id, "injected broker outage") for m in messages]
+            return [
+                PublishResult(m.message_id, "injected broker outage", unreachable=True)
+                for m in messages
+            ]
         extra = [
             m
             for n, m in enumerate(messages, self.sent + 1)

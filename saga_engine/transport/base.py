@@ -29,6 +29,9 @@ class PublishResult:
 
     message_id: str
     error: str | None = None
+    #: The broker could not be reached or did not answer in time: not this message's fault, so
+    #: the relay retries it without spending its retry budget (an outage never makes it FAILED).
+    unreachable: bool = False
 
     @property
     def ok(self) -> bool:

@@ -139,7 +139,7 @@ class KafkaTransport(Transport):
         with self._lock:
             producer, error = self._ensure_producer(deadline)
             if producer is None:
-                return [PublishResult(m.message_id, error) for m in messages]
+                return [PublishResult(m.message_id, error, unreachable=True) for m in messages]
             outcomes = self._send_all(producer, messages, deadline)
             _flush(producer, deadline)
             results = [
@@ -416,15 +416,18 @@ def _flush(producer: Any, deadline: float) -> None:
 
 def _await(message: OutgoingMessage, sent: _Sent, deadline: float) -> _Outcome:
     if sent.future is None:
-        return _Outcome(PublishResult(message.message_id, sent.error), sent.producer_broken)
+        result = PublishResult(message.message_id, sent.error, unreachable=sent.producer_broken)
+        return _Outcome(result, sent.producer_broken)
     try:
         sent.future.get(timeout=max(0.0, deadline - time.monotonic()))
     except kafka_errors.KafkaTimeoutError:
         error = "not acknowledged before the publish timeout"
-        return _Outcome(PublishResult(message.message_id, error), True)
+        return _Outcome(PublishResult(message.message_id, error, unreachable=True), True)
     except kafka_errors.KafkaError as exc:
+        # A record error (too large, bad topic) is the message's own; anything else is the broker.
         broken = not isinstance(exc, _RECORD_ERRORS)
-        return _Outcome(PublishResult(message.message_id, _describe(exc)), broken)
+        result = PublishResult(message.message_id, _describe(exc), unreachable=broken)
+        return _Outcome(result, broken)
     return _Outcome(PublishResult(message.message_id), False)
 
 

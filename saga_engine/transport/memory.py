@@ -25,7 +25,10 @@ class MemoryTransport(Transport):
 
     def publish(self, messages: Sequence[OutgoingMessage], timeout: float) -> list[PublishResult]:
         if self.down:
-            return [PublishResult(m.message_id, "memory transport is down") for m in messages]
+            return [
+                PublishResult(m.message_id, "memory transport is down", unreachable=True)
+                for m in messages
+            ]
         with self.lock:
             for message in messages:
                 self.channels[message.destination].append(message)

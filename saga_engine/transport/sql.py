@@ -67,7 +67,7 @@ class SqlTransport(Transport):
                 conn.execute(q.insert(), rows)
         except exc.SQLAlchemyError as error:
             reason = f"sql transport: {str(error).strip().splitlines()[0]}"
-            return [PublishResult(m.message_id, reason) for m in messages]
+            return [PublishResult(m.message_id, reason, unreachable=True) for m in messages]
         return [PublishResult(m.message_id) for m in messages]
 
     def consumer(self, group: str, channels: Sequence[str]) -> SqlConsumer:

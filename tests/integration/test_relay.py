@@ -62,7 +62,10 @@ class FailingTransportDouble(Transport):
         if self.on_publish is not None:
             self.on_publish(messages)
         if self.down:
-            return [PublishResult(m.message_id, "broker unreachable (double)") for m in messages]
+            return [
+                PublishResult(m.message_id, "broker unreachable (double)", unreachable=True)
+                for m in messages
+            ]
         results = {
             m.message_id: PublishResult(m.message_id, f"rejected {m.message_id} (double)")
             for m in messages
@@ -336,14 +339,15 @@ def test_broker_outage_keeps_messages_pending_then_delivers_them(
     messages = write(engine, [envelope(f"k{i % 5}", i // 5) for i in range(20)], clock)
     broker = FailingTransportDouble(SqlTransport(engine))
     broker.down = True
-    relay = Relay(engine, broker, RelayConfig(backoff_base=1.0), clock=clock)
+    relay = Relay(engine, broker, RelayConfig(backoff_base=1.0, max_retries=2), clock=clock)
 
-    for _ in range(3):  # the outage outlasts several passes
+    for _ in range(6):  # the outage outlasts the whole retry budget...
         relay.run_once()
-        clock.advance(30)
+        clock.advance(300)
     rows = outbox_rows(engine)
-    assert {r.status for r in rows.values()} == {PENDING}
-    assert {rows[m.message_id].retry_count for m in messages[:5]} == {3}  # each key's head
+    assert {r.status for r in rows.values()} == {PENDING}  # ...and spends none of it
+    assert {r.retry_count for r in rows.values()} == {0}
+    assert {rows[m.message_id].last_error for m in messages[:5]} == {"broker unreachable (double)"}
     assert count(engine, schema.transport_messages) == 0
 
     broker.down = False
