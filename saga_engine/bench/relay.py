@@ -1,0 +1,359 @@
+"""``saga-engine bench relay``: outbox -> Kafka throughput, beside its two ceilings, in one run.
+
+1. Write N messages through ``OutboxWriter.add_many`` in transactions of ``--per-transaction``.
+2. Database ceiling: K processes claim batches with ``FOR UPDATE SKIP LOCKED`` and mark them SENT,
+   nothing else (no broker, no order guard, no message building). The rows are then reset.
+3. The engine's relay with a transport that acknowledges at once: the relay's own cost without a
+   broker. Reset again.
+4. Broker ceiling: kafka-python producing the same N messages (same keys and bytes) straight to
+   Kafka with acks=all, from K processes and from one.
+5. The engine's relay (``Relay``, as ``saga-engine relay`` runs it) in K processes to Kafka; then a
+   consumer reads the topic back and counts every message id: delivered, lost, duplicated, and
+   whether each key's messages arrived in order.
+
+Each phase starts its K processes first and lets them go together once connected and warm, so a
+rate is N / (time of the last acknowledgement - go); for the relays the last acknowledgement is the
+latest ``sent_at`` in the outbox. Rows stay put between phases (reset to PENDING and vacuumed), so
+every phase works on the same table of the same N rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Engine
+
+from saga_engine import db, errors, schema
+from saga_engine.bench import env
+from saga_engine.bench.procs import Phase, Result
+from saga_engine.bench.report import Report, percentile
+from saga_engine.outbox.relay import to_outgoing
+
+t = schema.outbox
+TARGET_RATIO = 0.85
+
+
+@dataclasses.dataclass
+class Options:
+    db: str
+    broker: str = env.TANSU
+    messages: int = 30_000
+    relays: int = 2
+    batch_size: int = 500
+    per_transaction: int = 10
+    per_key: int = 1
+    payload_bytes: int = 200
+    partitions: int = 8
+    timeout: float = 300.0
+    keep_db: bool = False
+    profile: str | None = None
+    #: Statements run in the scratch database after writing (e.g. to try an index).
+    setup_sql: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.messages, self.relays, self.batch_size, self.per_transaction) < 1:
+            raise errors.ConfigurationError("--messages, --relays, --batch-size must be >= 1")
+        if self.per_key < 1 or self.partitions < 1:
+            raise errors.ConfigurationError("--per-key and --partitions must be >= 1")
+
+
+@dataclasses.dataclass
+class PhaseRun:
+    t0: datetime
+    results: list[Result]
+    busy: float
+    broker_cpu: float
+
+
+def run(options: Options, report: Report) -> bool:
+    """Run every phase; True when nothing was lost, duplicated or reordered."""
+    with (
+        env.kafka_broker(options.broker) as broker,
+        env.scratch_database(options.db, keep=options.keep_db) as url,
+    ):
+        engine = db.create_engine(url, pool_size=2)
+        try:
+            return Bench(options, report, url, engine, broker).run()
+        finally:
+            engine.dispose()
+
+
+class Bench:
+    def __init__(
+        self, options: Options, report: Report, url: str, engine: Engine, broker: env.Broker
+    ) -> None:
+        self.o = options
+        self.report = report
+        self.url = url
+        self.engine = engine
+        self.broker = broker
+        run_id = uuid.uuid4().hex[:8]
+        self.topic = f"bench.relay.{run_id}"
+        self.raw_topic = f"bench.relay.{run_id}.raw"
+
+    def run(self) -> bool:
+        o, report = self.o, self.report
+        self._create_topics()
+        report.section(f"relay benchmark: {o.messages:,} messages, {o.relays} relay process(es)")
+        report.figure("messages", o.messages, "messages")
+        report.figure("relays", o.relays, "relay processes (K)")
+        report.figure("batch_size", o.batch_size, "relay batch size")
+        report.figure("partitions", o.partitions, "topic partitions")
+        report.figure("messages_per_key", o.per_key, "consecutive messages per key")
+        report.figure("kafka_crc32c", _crc32c(), "kafka-python's CRC32C")
+        self._write()
+        ceiling_db = self._db_ceiling()
+        self._reset()
+        null_relay = self._relay_phase("null_relay", broker=None)
+        self._reset()
+        raw = self._raw_producer("raw_producer", o.relays)
+        raw_one = self._raw_producer("raw_producer_1", 1) if o.relays > 1 else raw
+        relay = self._relay_phase("relay", broker=self.broker.url)
+        healthy = self._verify()
+        report.section("ratios")
+        ratio = report.ratio(
+            "relay_vs_raw_producer", relay, raw, f"relay / raw producer ({o.relays} processes each)"
+        )
+        report.ratio("relay_vs_raw_producer_1", relay, raw_one, "relay / raw producer (1 process)")
+        report.ratio("relay_vs_db_ceiling", relay, ceiling_db, "relay / database claim-and-mark")
+        report.ratio("relay_vs_null_relay", relay, null_relay, "relay / relay without broker")
+        report.ratio(
+            "null_relay_vs_db_ceiling", null_relay, ceiling_db, "relay without broker / database"
+        )
+        report.target("relay_ratio", ratio >= TARGET_RATIO, f"relay >= {TARGET_RATIO} x raw")
+        report.target("lost", report.data["lost"] == 0, "lost == 0")
+        report.target("duplicates", report.data["duplicates"] == 0, "duplicates == 0")
+        return healthy
+
+    # -- phases -------------------------------------------------------------------------------
+
+    def _create_topics(self) -> None:
+        from saga_engine.transport.kafka import KafkaTransport
+
+        kafka = KafkaTransport([self.broker.bootstrap], partitions=self.o.partitions)
+        try:
+            kafka.ensure_channels([self.topic, self.raw_topic])
+        finally:
+            kafka.close()
+
+    def _write(self) -> None:
+        o, report = self.o, self.report
+        report.section(f"1. write through OutboxWriter.add_many ({o.relays} process(es))")
+        spec = {
+            "db": self.url,
+            "topic": self.topic,
+            "messages": o.messages,
+            "children": o.relays,
+            "per_transaction": o.per_transaction,
+            "per_key": o.per_key,
+            "payload_bytes": o.payload_bytes,
+        }
+        run = self._phase("bulk_writer", [spec] * o.relays)
+        end = max(datetime.fromisoformat(r["end"]) for r in run.results)
+        durations = [d for r in run.results for d in r["durations"]]
+        report.figure("per_transaction", o.per_transaction, "messages per transaction")
+        report.figure("write_rate", o.messages / _seconds(end - run.t0), "written", "msg/s")
+        report.figure("write_tx_p50_ms", 1000 * percentile(durations, 0.5), "transaction p50", "ms")
+        report.figure(
+            "write_tx_p99_ms", 1000 * percentile(durations, 0.99), "transaction p99", "ms"
+        )
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(*_row_columns()).order_by(t.c.id).limit(1000)).all()
+        sizes = [len(to_outgoing(row).value) for row in rows]
+        report.figure("wire_bytes", sum(sizes) / len(sizes), "mean message size on the wire", "B")
+        for statement in o.setup_sql:
+            report.note(f"setup SQL: {statement}")
+            with self.engine.begin() as conn:
+                conn.execute(sa.text(statement))
+        env.vacuum(self.engine, t.name)
+
+    def _db_ceiling(self) -> float:
+        self.report.section("2. database ceiling: SKIP LOCKED claim + mark SENT, no broker")
+        spec = {"db": self.url, "batch_size": self.o.batch_size}
+        run = self._phase("claim_mark", [spec] * self.o.relays)
+        return self._rates_from_outbox("db_claim_mark", run)
+
+    def _relay_phase(self, key: str, broker: str | None) -> float:
+        o = self.o
+        title = "the engine's relay to Kafka" if broker else "the engine's relay, null transport"
+        self.report.section(f"{'5' if broker else '3'}. {title}")
+        specs = [
+            {
+                "db": self.url,
+                "broker": broker,
+                "batch_size": o.batch_size,
+                "poll_interval": 0.5,
+                "warmup_topic": self.topic if broker else None,
+                "profile": f"{o.profile}/{key}-{i}.txt" if o.profile else None,
+            }
+            for i in range(o.relays)
+        ]
+        run = self._phase("relay", specs)
+        rate = self._rates_from_outbox(key, run)
+        published = sum(r["published"] for r in run.results)
+        batches = sum(r["batches"] for r in run.results) or 1
+        self.report.figure(f"{key}_mean_batch", published / batches, "mean rows per batch")
+        self.report.figure(
+            f"{key}_errors", sum(r["errors"] + r["retried"] for r in run.results), "failed passes"
+        )
+        return rate
+
+    def _raw_producer(self, key: str, children: int) -> float:
+        self.report.section(f"4. broker ceiling: kafka-python, acks=all, {children} process(es)")
+        spec = {
+            "db": self.url,
+            "children": children,
+            "topic": self.raw_topic,
+            "bootstrap": self.broker.bootstrap,
+        }
+        run = self._phase("producer", [spec] * children)
+        end = max(datetime.fromisoformat(r["end"]) for r in run.results)
+        failed = sum(r["failed"] for r in run.results)
+        rate = self.report.figure(
+            f"{key}_rate", self.o.messages / _seconds(end - run.t0), "rate", "msg/s"
+        )
+        self.report.figure(f"{key}_failed", failed, "not acknowledged")
+        self._cpu_figures(key, run)
+        return float(rate)
+
+    def _phase(self, kind: str, specs: list[dict[str, Any]]) -> PhaseRun:
+        phase = Phase(kind, specs)
+        phase.start()
+        try:
+            broker_cpu = self._broker_cpu()
+            cpu = env.MachineCpu()
+            t0 = phase.go()
+            if not phase.wait_progress(self.o.messages, self.o.timeout):
+                raise errors.SagaEngineError(
+                    f"{kind}: only {phase.progress()} of {self.o.messages} done after {self.o.timeout} s"
+                )
+            busy = cpu.busy()
+            broker_cpu = self._broker_cpu() - broker_cpu
+            return PhaseRun(t0, phase.finish(), busy, broker_cpu)
+        finally:
+            phase.kill()
+
+    def _broker_cpu(self) -> float:
+        return env.cpu_seconds(self.broker.pid) if self.broker.pid is not None else math.nan
+
+    def _rates_from_outbox(self, key: str, run: PhaseRun) -> float:
+        with self.engine.connect() as conn:
+            sent = conn.scalars(
+                sa.select(t.c.sent_at).where(t.c.status == schema.OutboxStatus.SENT)
+            )
+            waits = [_seconds(at - run.t0) for at in sent]
+        rate = self.report.figure(f"{key}_rate", len(waits) / max(waits), "rate", "msg/s")
+        self.report.figure(
+            f"{key}_drain_p50_ms", 1000 * percentile(waits, 0.5), "go -> SENT p50 (backlog)", "ms"
+        )
+        self.report.figure(
+            f"{key}_drain_p99_ms", 1000 * percentile(waits, 0.99), "go -> SENT p99 (backlog)", "ms"
+        )
+        self._cpu_figures(key, run)
+        return float(rate)
+
+    def _cpu_figures(self, key: str, run: PhaseRun) -> None:
+        cpu = sum(r["cpu_s"] for r in run.results)
+        self.report.figure(f"{key}_cpu_s", cpu, "CPU of its processes", "s")
+        self.report.figure(f"{key}_per_cpu_s", self.o.messages / cpu, "messages per CPU second")
+        if not math.isnan(run.broker_cpu):
+            self.report.figure(f"{key}_broker_cpu_s", run.broker_cpu, "CPU of the broker", "s")
+        self.report.figure(f"{key}_machine_busy", 100 * run.busy, "machine CPU busy", "%")
+
+    def _reset(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                sa.update(t).values(
+                    status=schema.OutboxStatus.PENDING,
+                    sent_at=None,
+                    claimed_by=None,
+                    lease_until=None,
+                )
+            )
+        env.vacuum(self.engine, t.name)
+
+    # -- verification -----------------------------------------------------------------------
+
+    def _verify(self) -> bool:
+        report = self.report
+        report.section("consumer: read the topic back, count by message id")
+        with self.engine.connect() as conn:
+            ids = dict(conn.execute(sa.select(t.c.message_id, t.c.id)).all())
+        counts, order_violations, foreign = self._consume(ids)
+        delivered = sum(1 for m in ids if counts[m])
+        lost = report.figure("lost", len(ids) - delivered, "lost")
+        dups = report.figure(
+            "duplicates", sum(n - 1 for m, n in counts.items() if n > 1 and m in ids), "duplicates"
+        )
+        report.figure("delivered", delivered, "delivered (distinct message ids)")
+        report.figure("order_violations", order_violations, "per-key order violations")
+        report.figure("foreign", foreign, "other records on the topic (warm-ups)")
+        return lost == 0 and dups == 0 and order_violations == 0
+
+    def _consume(self, ids: dict[str, int]) -> tuple[collections.Counter[str], int, int]:
+        kafka: Any = env.kafka_module()
+        consumer = kafka.KafkaConsumer(
+            bootstrap_servers=[self.broker.bootstrap],
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        try:
+            partitions = [
+                kafka.TopicPartition(self.topic, p)
+                for p in sorted(consumer.partitions_for_topic(self.topic) or ())
+            ]
+            consumer.assign(partitions)
+            consumer.seek_to_beginning(*partitions)
+            return _count(consumer, ids)
+        finally:
+            consumer.close()
+
+
+def _count(consumer: Any, ids: dict[str, int]) -> tuple[collections.Counter[str], int, int]:
+    counts: collections.Counter[str] = collections.Counter()
+    last_of_key: dict[bytes, int] = {}
+    seen = order_violations = foreign = 0
+    idle_since = time.monotonic()
+    while seen < len(ids) and time.monotonic() - idle_since < 5.0:
+        batches = consumer.poll(timeout_ms=500, max_records=20_000)
+        if batches:
+            idle_since = time.monotonic()
+        for records in batches.values():
+            for record in records:
+                message_id = json.loads(record.value).get("message_id", "")
+                row_id = ids.get(message_id)
+                if row_id is None:
+                    foreign += 1
+                    continue
+                counts[message_id] += 1
+                seen += counts[message_id] == 1
+                if row_id < last_of_key.get(record.key, -1):
+                    order_violations += 1
+                last_of_key[record.key] = max(row_id, last_of_key.get(record.key, -1))
+    return counts, order_violations, foreign
+
+
+def _crc32c() -> str:
+    """Whether kafka-python found the ``crc32c`` C extension: it triples the producer's rate."""
+    import importlib.util
+
+    return "C extension" if importlib.util.find_spec("crc32c") else "pure Python"
+
+
+def _row_columns() -> tuple[Any, ...]:
+    from saga_engine.outbox.claim import ROW_COLUMNS
+
+    return ROW_COLUMNS
+
+
+def _seconds(delta: Any) -> float:
+    return max(1e-9, float(delta.total_seconds()))

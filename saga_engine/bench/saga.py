@@ -1,0 +1,292 @@
+"""``saga-engine bench saga``: the order saga end to end on K worker processes, and the peer.
+
+The workers are ``saga-engine worker --app sagas.app:app`` processes (every role: orchestrator,
+participants, relay, deadlines), sharing one scratch database and one Kafka broker. After a warm-up
+(every consumer group joined, every producer connected), the bench places N orders, each in its own
+transaction, one in ten declined at payment so the saga compensates, and waits until every saga has
+ended. Figures: sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga
+latency (``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS and CPU
+per saga; states, duplicates, dead letters and the saga's business invariants.
+
+``--peer temporal`` then runs the same saga on Temporal's dev server (in memory) in the same run and
+prints the ratio. Both are measured on the same machine, one after the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import sqlalchemy as sa
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from saga_engine import db, errors, schema
+from saga_engine.bench import env
+from saga_engine.bench.report import Report, percentile
+
+s = schema.saga_instances
+TARGET_VS_TEMPORAL = 30.0
+WARMUP_SAGAS = 20
+
+
+@dataclasses.dataclass
+class Options:
+    db: str
+    broker: str = env.TANSU
+    sagas: int = 1000
+    workers: int = 2
+    compensate: float = 0.1
+    app: str = "sagas.app:app"
+    saga_module: str = "sagas.order_fulfilment"
+    peer: str | None = None
+    peer_sagas: int = 500
+    peer_script: str | None = None
+    timeout: float = 300.0
+    keep_db: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sagas < 1 or self.workers < 1 or self.peer_sagas < 1:
+            raise errors.ConfigurationError("--sagas, --workers and --peer-sagas must be >= 1")
+        if not 0 <= self.compensate <= 1:
+            raise errors.ConfigurationError("--compensate must be within 0..1")
+
+
+def run(options: Options, report: Report) -> bool:
+    from saga_engine import cli
+
+    app = cli.load_app(options.app)
+    module = importlib.import_module(options.saga_module)
+    with (
+        env.kafka_broker(options.broker) as broker,
+        env.scratch_database(options.db, keep=options.keep_db) as url,
+    ):
+        engine = db.create_engine(url, pool_size=2)
+        try:
+            healthy = Bench(options, report, app, module, url, engine, broker).run()
+        finally:
+            engine.dispose()
+    if options.peer == "temporal":
+        peer_rate = run_temporal(options, report)
+        report.section("ratio")
+        ratio = report.ratio(
+            "vs_temporal", report.data["sagas_per_s"], peer_rate, "saga-engine / Temporal"
+        )
+        report.target(
+            "vs_temporal", ratio >= TARGET_VS_TEMPORAL, f">= {TARGET_VS_TEMPORAL:g} x Temporal"
+        )
+    return healthy
+
+
+class Bench:
+    def __init__(
+        self,
+        options: Options,
+        report: Report,
+        app: Any,
+        module: Any,
+        url: str,
+        engine: Engine,
+        broker: env.Broker,
+    ) -> None:
+        self.o = options
+        self.report = report
+        self.app = app
+        self.module = module
+        self.url = url
+        self.engine = engine
+        self.broker = broker
+        self.logs: list[IO[bytes]] = []
+
+    def run(self) -> bool:
+        o, report = self.o, self.report
+        report.section(f"saga benchmark: {o.sagas:,} order sagas on {o.workers} worker process(es)")
+        report.figure("sagas", o.sagas, "sagas")
+        report.figure("workers", o.workers, "worker processes (K)")
+        report.figure("compensate_share", o.compensate, "share declined at payment")
+        self.app.create_tables(self.engine)
+        self.module.seed(self.engine, orders=o.sagas + 2 * WARMUP_SAGAS)
+        with workers(self.url, self.broker.url, o.app, o.workers) as (procs, logs):
+            self.logs = logs
+            self._warm_up()
+            cpu_before = [env.cpu_seconds(p.pid) for p in procs]
+            placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas))
+            finished = self._wait()
+            cpu = sum(env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True))
+            rss = [env.peak_rss_mb(p.pid) for p in procs]
+            return self._figures(placed, finished, cpu, rss)  # with the workers' logs still open
+
+    def _warm_up(self) -> None:
+        """Every worker joined its groups and connected, before the clock starts."""
+        for round_ in range(2):
+            first = round_ * WARMUP_SAGAS
+            self._place(range(first, first + WARMUP_SAGAS), compensate=0.0)
+            if not self._wait(timeout=120):
+                raise errors.SagaEngineError("warm-up sagas did not finish in 120 s")
+            time.sleep(2.0)
+
+    def _place(self, numbers: range, compensate: float | None = None) -> list[str]:
+        share = self.o.compensate if compensate is None else compensate
+        every = round(1 / share) if share > 0 else 0
+        placed = []
+        for n in numbers:
+            fail_at = "payment" if every and n % every == 0 else None
+            with Session(self.engine) as session, session.begin():
+                request = self.module.sample_order(n, fail_at)
+                placed.append(self.module.place_order(self.app, session, **request))
+        return placed
+
+    def _wait(self, timeout: float | None = None) -> bool:
+        """Wait until no saga is open (the bench's sagas are the only ones in its database)."""
+        deadline = time.monotonic() + (timeout or self.o.timeout)
+        while time.monotonic() < deadline:
+            with self.engine.connect() as conn:
+                open_ = conn.scalar(
+                    sa.select(sa.func.count()).select_from(s).where(s.c.ended_at.is_(None))
+                )
+            if not open_:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _figures(self, placed: list[str], finished: bool, cpu: float, rss: list[float]) -> bool:
+        report = self.report
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(s.c.id, s.c.state, s.c.created_at, s.c.ended_at).where(s.c.id.in_(placed))
+            ).all()
+            start = min(r.created_at for r in rows)
+            messages = conn.scalar(
+                sa.select(sa.func.count())
+                .select_from(schema.outbox)
+                .where(schema.outbox.c.created_at >= start)
+            )
+            duplicates = conn.scalar(
+                sa.select(sa.func.count()).select_from(schema.inbox_duplicates)
+            )
+            dead = conn.scalar(sa.select(sa.func.count()).select_from(schema.dead_letters))
+        ended = [r for r in rows if r.ended_at is not None]
+        states: dict[str, int] = {}
+        for r in rows:
+            states[r.state] = states.get(r.state, 0) + 1
+        report.section("results")
+        end = max(r.ended_at for r in ended) if ended else start
+        elapsed = max(1e-9, (end - start).total_seconds())
+        report.figure("sagas_per_s", len(ended) / elapsed, "sagas per second", "sagas/s")
+        latencies = [1000 * (r.ended_at - r.created_at).total_seconds() for r in ended]
+        report.figure("latency_p50_ms", percentile(latencies, 0.5), "saga latency p50", "ms")
+        report.figure("latency_p99_ms", percentile(latencies, 0.99), "saga latency p99", "ms")
+        report.figure("elapsed_s", elapsed, "first created -> last ended", "s")
+        report.figure(
+            "messages_per_saga", (messages or 0) / len(placed), "outbox messages per saga"
+        )
+        report.figure("completed", states.get("COMPLETED", 0), "COMPLETED")
+        report.figure("compensated", states.get("COMPENSATED", 0), "COMPENSATED")
+        report.figure("failed", states.get("FAILED", 0), "FAILED")
+        report.figure("unfinished", len(rows) - len(ended), "not ended")
+        report.figure("duplicates", duplicates or 0, "duplicate deliveries absorbed by the inbox")
+        report.figure("dead_letters", dead or 0, "dead letters")
+        report.figure("worker_peak_rss_mb", max(rss), "peak worker RSS", "MiB")
+        report.figure(
+            "worker_cpu_ms_per_saga", 1000 * cpu / len(placed), "worker CPU per saga", "ms"
+        )
+        violations = self.module.check_invariants(self.engine, all_terminal=finished)
+        report.figure("invariant_violations", len(violations), "business invariant violations")
+        for violation in violations[:5]:
+            report.note(violation)
+        if not finished:
+            for i, log in enumerate(self.logs):
+                report.note(f"worker {i} log, last lines:")
+                for line in tail(log, 8):
+                    report.note(f"  {line}")
+        return finished and not violations and not states.get("FAILED")
+
+
+@contextmanager
+def workers(
+    url: str, broker_url: str, app: str, count: int
+) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[IO[bytes]]]]:
+    """``count`` ``saga-engine worker`` processes with every role; stopped (SIGTERM) afterwards."""
+    command = [*saga_engine_command(), "worker", "--app", app, "--db", url, "--broker", broker_url]
+    logs: list[IO[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(count):
+            logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed in finally
+            procs.append(
+                subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT
+                )
+            )
+        yield procs, logs
+        for proc, output in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                output.seek(0)
+                tail = output.read()[-2000:].decode(errors="replace")
+                raise errors.SagaEngineError(f"a worker exited with {proc.returncode}:\n{tail}")
+    finally:
+        for proc in procs:
+            env.stop_process(proc, timeout=30)
+        for log in logs:
+            log.close()
+
+
+def tail(log: IO[bytes], lines: int) -> list[str]:
+    """The last ``lines`` lines of a worker's log so far."""
+    log.flush()
+    log.seek(0)
+    text = log.read()[-20_000:].decode(errors="replace")
+    log.seek(0, 2)
+    return text.splitlines()[-lines:]
+
+
+def saga_engine_command() -> list[str]:
+    """The ``saga-engine`` console script of this installation (else ``python -m``)."""
+    script = Path(sys.executable).parent / "saga-engine"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "saga_engine.cli"]
+
+
+# -- the peer ------------------------------------------------------------------------------------
+
+PEER_LINE = re.compile(
+    r"temporal: (\d+) sagas \((\d+) compensated\) in ([\d.]+)s = ([\d.]+) sagas/s"
+)
+
+
+def run_temporal(options: Options, report: Report) -> float:
+    """The peer script on a fresh in-memory Temporal dev server; returns its sagas/s."""
+    report.section(f"peer: Temporal dev server (in memory), {options.peer_sagas:,} sagas")
+    script = options.peer_script
+    command = (
+        [sys.executable, script]
+        if script
+        else [sys.executable, "-m", "saga_engine.bench.temporal_peer"]
+    )
+    with env.temporal_dev_server() as address:
+        done = subprocess.run(
+            [*command, str(options.peer_sagas), address],
+            capture_output=True,
+            text=True,
+            timeout=options.timeout,
+            check=False,
+        )
+    match = PEER_LINE.search(done.stdout)
+    if done.returncode != 0 or match is None:
+        tail = (done.stdout + done.stderr)[-2000:]
+        raise errors.SagaEngineError(f"the Temporal peer failed ({done.returncode}):\n{tail}")
+    report.figure("temporal_script", script or "saga_engine.bench.temporal_peer", "peer script")
+    report.figure("temporal_sagas", int(match[1]), "sagas")
+    report.figure("temporal_compensated", int(match[2]), "compensated")
+    report.figure("temporal_elapsed_s", float(match[3]), "elapsed", "s")
+    return float(
+        report.figure("temporal_sagas_per_s", float(match[4]), "sagas per second", "sagas/s")
+    )

@@ -1,0 +1,58 @@
+"""``saga-engine bench relay`` as users run it: a functional smoke test, never a timing assertion.
+
+A tiny run through every phase (write, database ceiling, relay without broker, raw producer,
+relay to Kafka, read-back) must end with one parseable JSON line in which nothing was lost or
+duplicated. How fast it went is the benchmark's business, not the test's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).with_name("saga-engine")
+COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "saga_engine.cli"]
+
+pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
+
+
+def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path: Path) -> None:
+    sizes = ["--messages", "300", "--relays", "2", "--batch-size", "100"]
+    result = subprocess.run(
+        [*COMMAND, "bench", "relay", "--db", pg_url, "--broker", kafka_url, *sizes, "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "relay"
+    assert figures["messages"] == 300
+    assert figures["lost"] == 0
+    assert figures["duplicates"] == 0
+    assert figures["delivered"] == 300
+    assert figures["order_violations"] == 0
+    for rate in ("db_claim_mark_rate", "null_relay_rate", "raw_producer_rate", "relay_rate"):
+        assert figures[rate] > 0, rate
+    assert "relay_vs_raw_producer" in figures
+    assert set(figures["targets"]) == {"relay_ratio", "lost", "duplicates"}
+
+
+def test_bench_rejects_a_broker_it_cannot_measure(pg_url: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*COMMAND, "bench", "relay", "--db", pg_url, "--broker", "sql://", "--messages", "10"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("saga-engine: error: ")
