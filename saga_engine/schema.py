@@ -71,6 +71,14 @@ outbox = sa.Table(
     sa.UniqueConstraint("message_id"),
     # The claim query: WHERE status = 0 AND next_retry_at <= now ORDER BY id.
     sa.Index(None, "status", "next_retry_at", "id"),
+    # The same claim where partial indexes exist: only PENDING rows, already in id order, so a
+    # claim does not walk past the SENT rows kept for the retention (35-57 ms -> 1.2 ms at 25k).
+    sa.Index(
+        "ix_outbox_messages_pending_id",
+        "id",
+        postgresql_where=sa.text("status = 0"),
+        sqlite_where=sa.text("status = 0"),
+    ),
     # The order guard: the earliest unsent row of each partition key.
     sa.Index(None, "partition_key", "status", "id"),
     # Cleanup: WHERE status = 1 AND sent_at < cutoff.
@@ -148,7 +156,9 @@ saga_instances = sa.Table(
     sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
     sa.Column("command_id", sa.String(64)),
     # Compensatable steps that committed, in order: compensations run over it in reverse.
-    sa.Column("completed_steps", sa.Text(), nullable=False),  # no DEFAULT: MySQL refuses one on TEXT
+    sa.Column(
+        "completed_steps", sa.Text(), nullable=False
+    ),  # no DEFAULT: MySQL refuses one on TEXT
     # Stored deadlines, not timers, so timeouts and retry back-offs survive restarts.
     sa.Column("deadline", Timestamp),
     sa.Column("deadline_kind", sa.String(16)),

@@ -14,7 +14,6 @@ until a NOTIFY wake-up (PostgreSQL), the poll interval, or a stop request, which
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import threading
@@ -331,13 +330,12 @@ def to_outgoing(row: sa.Row[Any]) -> OutgoingMessage:
         # Stored naive (UTC by convention, see ``clock``); on the wire say so, or a consumer in
         # another time zone or language would read it as local time.
         "created_at": row.created_at.replace(tzinfo=UTC).isoformat(),
-        "headers": json.loads(row.headers) if row.headers != "{}" else {},
     }
     return OutgoingMessage(
         message_id=row.message_id,
         destination=row.destination,
         partition_key=row.partition_key,
-        value=wire_bytes(fields, row.payload),
+        value=wire_bytes(fields, row.headers, row.payload),
     )
 
 

@@ -83,14 +83,16 @@ def test_bad_bytes_raise_decode_error(raw: bytes) -> None:
     assert isinstance(caught.value, errors.SagaEngineError)
 
 
-def test_wire_bytes_splices_the_stored_payload() -> None:
+def test_wire_bytes_splices_the_stored_headers_and_payload() -> None:
     payload = {"order_id": "o-1", "note": "naïve", "n": [1, 2.5, None]}
+    headers = {"saga_id": "s-1", "step": "reserve"}
     raw = wire_bytes(
         {"message_type": "X", "destination": "d", "partition_key": "k", "message_id": "m-1"},
+        json.dumps(headers),
         json.dumps(payload, ensure_ascii=False),
     )
     decoded = Envelope.from_wire(raw)
-    assert (decoded.message_id, decoded.payload) == ("m-1", payload)
+    assert (decoded.message_id, decoded.payload, decoded.headers) == ("m-1", payload, headers)
     assert json.loads(raw)["payload"] == payload
 
 

@@ -35,7 +35,9 @@ def upgrade() -> None:
         sa.Column("version", sa.Integer(), nullable=False),
         sa.Column("attempt", sa.Integer(), nullable=False, server_default="0"),
         sa.Column("command_id", sa.String(64)),
-        sa.Column("completed_steps", sa.Text(), nullable=False),  # no DEFAULT: MySQL refuses one on TEXT
+        sa.Column(
+            "completed_steps", sa.Text(), nullable=False
+        ),  # no DEFAULT: MySQL refuses one on TEXT
         sa.Column("deadline", Timestamp),
         sa.Column("deadline_kind", sa.String(16)),
         sa.Column("last_error", sa.Text()),
