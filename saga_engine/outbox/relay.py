@@ -48,6 +48,7 @@ class RelayConfig:
     jitter: float = 0.2
     claim: str = "auto"
     lease_seconds: float = 30.0
+    outage_backoff_cap: float = 5.0
     pool_size: int = 2
 
     def __post_init__(self) -> None:
@@ -237,7 +238,10 @@ class Relay:
             # An outage is nobody's message's fault: wait (growing with the outage) but keep the
             # retry budget, so a broker down for hours delays messages and never fails them.
             retry_count, exhausted = row.retry_count, False
-            delay = self.config.backoff(min(self._outage_streak, 16), self.rng)
+            outage = self.config.backoff(min(self._outage_streak, 16), self.rng)
+            # Probing a dead broker costs one claim, so keep the wait short: once the broker is
+            # back, the backlog goes within seconds, not after a long exponential wait.
+            delay = min(outage, self.config.outage_backoff_cap)
         else:
             retry_count = row.retry_count + 1
             exhausted = retry_count >= self.config.max_retries
