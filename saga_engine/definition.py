@@ -137,8 +137,13 @@ class Step:
         """No reply within ``seconds`` → send again (``retry``) or fail the step (``fail``)."""
         if seconds <= 0:
             raise errors.DefinitionError(f"step {self.name!r}: timeout must be positive")
+        try:
+            self.on_timeout = OnTimeout(on_timeout)
+        except ValueError:
+            raise errors.DefinitionError(
+                f"step {self.name!r}: on_timeout must be 'retry' or 'fail', not {on_timeout!r}"
+            ) from None
         self.timeout_seconds = seconds
-        self.on_timeout = OnTimeout(on_timeout)
         return self
 
     # -- what the engine asks ---------------------------------------------------------------
@@ -257,5 +262,7 @@ def _validate(saga: Saga[Any]) -> None:
             fail("a compensatable step before the pivot needs .compensate(...)", s)
         if s.on_timeout is OnTimeout.FAIL and (index >= pivot or s.compensation is None):
             fail("on_timeout='fail' needs a compensatable step (it may have committed)", s)
+        if s.kind is StepKind.PIVOT and s.compensation is not None:
+            fail("the pivot cannot be compensated: once it succeeds the saga only goes forward", s)
         if index > pivot and s.compensation is not None:
             fail("a step after the pivot cannot be compensated (make it .retriable())", s)

@@ -53,7 +53,7 @@ class Participant:
         if not name or not name.replace("_", "").replace("-", "").isalnum():
             raise errors.DefinitionError(f"participant name {name!r}: letters, digits, '_' or '-'")
         self.name = name
-        self.metadata = metadata  # the service's own tables (created by `db upgrade --app`)
+        self.metadata = metadata  # the service's own tables (App.create_tables creates them)
         self.handlers: dict[str, _Handler] = {}
 
     def __repr__(self) -> str:

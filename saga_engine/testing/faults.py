@@ -529,6 +529,13 @@ class Simulation:
         # FAILED is the right end only when a compensation was made to fail every attempt.
         limit = self.saga.retry.max_attempts
         may_fail = any(f.phase == UNDO and f.times >= limit for f in self.schedule.of(Reject))
+        # ...or a retriable step with an attempt limit was made to fail that often.
+        may_fail = may_fail or any(
+            f.phase == DO
+            and (n := self.saga.step_named(f.step).max_attempts) is not None
+            and f.times >= n
+            for f in self.schedule.of(Reject)
+        )
         for saga_id, state in self.states().items():
             if state not in ("COMPLETED", "COMPENSATED", "FAILED"):
                 out.append(f"saga {saga_id} stuck in {state}")

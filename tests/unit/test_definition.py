@@ -130,3 +130,20 @@ def test_the_machine_refuses_moves_the_definition_does_not_allow() -> None:
         machine.fire("a", "proceed", "COMPLETED")  # c cannot be skipped
     with pytest.raises(errors.InvalidTransition):
         machine.fire("COMPLETED", "fail", "compensate_a")
+
+
+def test_an_explicit_pivot_cannot_have_a_compensation() -> None:
+    with pytest.raises(errors.DefinitionError, match="step 'b': the pivot cannot be compensated"):
+        Saga(
+            "bad",
+            data=D,
+            steps=[
+                step("a").invoke("p", cmd).compensate("p", undo),
+                step("b").invoke("p", cmd).compensate("p", undo).pivot(),
+            ],
+        )
+
+
+def test_an_unknown_on_timeout_is_a_definition_error() -> None:
+    with pytest.raises(errors.DefinitionError, match="on_timeout must be 'retry' or 'fail'"):
+        step("a").invoke("p", cmd).timeout(5, "explode")
