@@ -133,12 +133,19 @@ class Orchestrator:
 
     def give_up(self, conn: Connection, envelope: Envelope, error: BaseException) -> None:
         """The reply could not be applied after every attempt: the saga needs an operator."""
-        saga_id = envelope.headers.get("saga_id", "")
+        self.fail(
+            conn,
+            envelope.headers.get("saga_id", ""),
+            f"applying {envelope.message_type} failed: {error}",
+            cause=envelope.message_id,
+        )
+
+    def fail(self, conn: Connection, saga_id: str, error: str, cause: str | None = None) -> None:
+        """Move a saga to FAILED with ``error``, for an operator (no-op if it has ended)."""
         instance = store.load(conn, saga_id)
         if instance is None or instance.state in TERMINAL:
             return
-        run = _Run(self, conn, self._saga(instance.saga_type), instance, cause=envelope.message_id)
-        run.fail_saga(f"applying {envelope.message_type} failed: {error}")
+        _Run(self, conn, self._saga(instance.saga_type), instance, cause=cause).fail_saga(error)
         store.save(conn, instance, self.clock.now())
 
     # -- checks ---------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ class Worker:
         self.participant_names = list(names)
         self.engines: dict[str, Engine] = {}
         self.stop_event = threading.Event()
+        self.crashed = False
         self.threads: list[threading.Thread] = []
         self.consumers: list[MessageConsumer] = []
         self.relays: list[Relay] = []
@@ -150,6 +151,7 @@ class Worker:
                 target(self.stop_event)
             except Exception:
                 log.exception("%s stopped by an unexpected error; stopping the worker", name)
+                self.crashed = True  # the process exits non-zero, so a supervisor restarts it
                 self.stop_event.set()
 
         self.threads.append(threading.Thread(target=guarded, name=name, daemon=True))
@@ -175,6 +177,14 @@ class Worker:
                     moved += orchestrator.on_deadline(conn, saga_id)
             except errors.ConcurrentUpdate:
                 continue  # another worker or a reply got there first; it will be re-read if due
+            except exc.SQLAlchemyError:
+                raise  # the database is away: the loop waits and tries again
+            except Exception as error:
+                # A local step's own bug: retrying it on every pass would never end (and would
+                # stop the worker), so the saga goes to FAILED with the error for an operator.
+                log.exception("deadline of saga %s failed", saga_id)
+                with engine.begin() as conn:
+                    orchestrator.fail(conn, saga_id, f"deadline action failed: {error!r}")
         return moved
 
     def _cleanup(self, stop: threading.Event) -> None:

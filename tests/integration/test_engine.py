@@ -290,3 +290,39 @@ def _raw(channel: str, key: str, body: bytes) -> Any:
     from saga_engine.transport.base import OutgoingMessage
 
     return OutgoingMessage(message_id="raw", destination=channel, partition_key=key, value=body)
+
+
+def test_a_local_step_that_crashes_on_retry_fails_its_saga_not_the_worker(
+    sqlite_url: str,
+) -> None:
+    from saga_engine.worker import Worker, WorkerOptions
+
+    attempts: list[int] = []
+
+    def flaky(data: Data, tx: Session) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise errors.Rejected("not yet")  # a business refusal: retried after a back-off
+        raise RuntimeError("bug in the step")  # then a bug
+
+    clock = ManualClock()
+    saga: Saga[Data] = Saga(
+        "crashy",
+        data=Data,
+        steps=[
+            step("pay").local(lambda d, tx: None),
+            step("notify").local(flaky).retriable(),
+        ],
+    )
+    app = App("c", sagas=[saga], clock=clock)
+    worker = Worker(app, WorkerOptions(db_url=sqlite_url, roles=["deadlines"]))
+    try:
+        with worker.main_engine.begin() as conn:
+            sid = app.start(conn, saga, Data(order="o1"))
+        clock.advance(60)
+        worker.check_deadlines()  # must not raise
+        found = instance(worker.main_engine, sid)
+        assert found.state == "FAILED"
+        assert "bug in the step" in (found.last_error or "")
+    finally:
+        worker.stop()
