@@ -29,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The state machine library narrates every transition at INFO; the engine logs what matters.
+    logging.getLogger("transitions").setLevel(max(logging.WARNING, logging.root.level))
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
@@ -67,10 +69,51 @@ def add_broker(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_engine(url: str, pool_size: int = 5) -> Any:
+#: The engine's tables each kind of command reads and writes (all are made by ``db upgrade``).
+OUTBOX_TABLES = ("outbox_messages",)
+CONSUMER_TABLES = (*OUTBOX_TABLES, "inbox_messages", "inbox_duplicates", "dead_letters")
+SAGA_TABLES = (*CONSUMER_TABLES, "saga_instances")
+
+
+def open_engine(url: str, pool_size: int = 5, tables: Sequence[str] = OUTBOX_TABLES) -> Any:
     engine = db.create_engine(url, pool_size=pool_size)
     db.check_connection(engine)
+    require_tables(engine, tables)
     return engine
+
+
+def require_tables(engine: Any, tables: Sequence[str]) -> None:
+    """A database without the engine's schema is a configuration problem, not a traceback."""
+    import sqlalchemy as sa
+
+    try:
+        present = set(sa.inspect(engine).get_table_names())
+    except sa.exc.DBAPIError as error:
+        raise errors.DatabaseUnavailable(
+            f"cannot read the tables of {db.redact(engine.url)}: {_first_line(error.orig or error)}"
+        ) from None
+    missing = [name for name in tables if name not in present]
+    if missing:
+        raise errors.ConfigurationError(
+            f"database {db.redact(engine.url)} lacks the table(s) {', '.join(missing)}: run "
+            "`saga-engine db upgrade --db URL` (and the app's own migrations) first"
+        )
+
+
+def app_tables(metadata: Sequence[Any]) -> tuple[str, ...]:
+    """The tables an app or participant declares (its own migrations create them)."""
+    return tuple(name for md in metadata if md is not None for name in md.tables)
+
+
+def transport_tables(broker_url: str | None) -> tuple[str, ...]:
+    """The sql:// transport carries messages in a table of the database."""
+    from urllib.parse import urlsplit
+
+    return ("transport_messages",) if urlsplit(broker_url or "sql://").scheme == "sql" else ()
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def stop_on_signals() -> threading.Event:
@@ -104,8 +147,8 @@ def register_db(commands: Any) -> None:
 def run_db_upgrade(args: argparse.Namespace) -> int:
     from saga_engine import migrate
 
-    migrate.upgrade(args.db, args.revision)
-    print(f"database {db.redact(args.db)} is at {args.revision}")
+    revision = migrate.upgrade(args.db, args.revision)
+    print(f"database {db.redact(args.db)} is at revision {revision}")
     return 0
 
 
@@ -144,7 +187,7 @@ def run_relay(args: argparse.Namespace) -> int:
     from saga_engine.outbox.relay import Relay
 
     config = relay_config(args)
-    engine = open_engine(args.db, pool_size=config.pool_size)
+    engine = open_engine(args.db, config.pool_size, OUTBOX_TABLES + transport_tables(args.broker))
     broker = transport.from_url(args.broker, engine=engine)
     relay = Relay.for_database(args.db, broker, config)
     stop = stop_on_signals()
@@ -167,7 +210,8 @@ def register_cleanup(commands: Any) -> None:
 def run_cleanup(args: argparse.Namespace) -> int:
     from saga_engine.outbox.cleanup import cleanup
 
-    engine = open_engine(args.db)
+    tables = (*OUTBOX_TABLES, "outbox_history") if args.archive else OUTBOX_TABLES
+    engine = open_engine(args.db, tables=tables)
     result = cleanup(
         engine,
         retention=timedelta(days=args.retention_days),
@@ -276,10 +320,18 @@ def run_worker(args: argparse.Namespace) -> int:
         participant_dbs=parse_participant_dbs(args.participant_db),
     )
     worker = Worker(app, options)
+    # Every database the worker will use, connected and checked now rather than by a loop that
+    # would only log the same error for ever.
+    main_tables: tuple[str, ...] = SAGA_TABLES if app.sagas else CONSUMER_TABLES
+    main_tables += transport_tables(args.broker) + app_tables(app.metadata)
+    require_tables(worker.main_engine, main_tables)
+    for name in worker.participant_names:
+        own = app_tables([app.participants[name].metadata])
+        require_tables(worker.engine(worker.participant_db(name)), CONSUMER_TABLES + own)
     stop = stop_on_signals()
     logging.getLogger(__name__).info("worker started: %s on %s", app, db.redact(args.db))
     worker.run(stop)
-    return 0
+    return 1 if worker.crashed else 0  # non-zero lets a supervisor restart a broken worker
 
 
 def register_start(commands: Any) -> None:
@@ -307,9 +359,17 @@ def run_start(args: argparse.Namespace) -> int:
         ) from None
     if args.count < 1:
         raise errors.ConfigurationError("--count must be at least 1")
-    engine = open_engine(args.db)
-    with engine.begin() as conn:
-        ids = [app.start(conn, saga, data) for _ in range(args.count)]
+    import sqlalchemy as sa
+
+    engine = open_engine(args.db, tables=(*SAGA_TABLES, *app_tables(app.metadata)))
+    try:
+        with engine.begin() as conn:
+            ids = [app.start(conn, saga, data) for _ in range(args.count)]
+    except sa.exc.IntegrityError as error:
+        # Bad input, e.g. an order id that exists already: nothing was started.
+        raise errors.ConfigurationError(
+            f"--data conflicts with what is stored: {_first_line(error.orig or error)}"
+        ) from None
     print("\n".join(ids))
     return 0
 
@@ -327,7 +387,7 @@ def run_status(args: argparse.Namespace) -> int:
 
     if args.app:
         load_app(args.app)
-    report = status.collect(open_engine(args.db))
+    report = status.collect(open_engine(args.db, tables=SAGA_TABLES))
     if args.json:
         print_json(report)
     else:
@@ -356,7 +416,13 @@ def register_demo(commands: Any) -> None:
     parser = commands.add_parser("demo", help="run the order saga N times with injected failures")
     parser.add_argument("--sagas", type=int, default=100)
     parser.add_argument("--fail-rate", type=float, default=0.1)
-    add_db(parser, default=None)
+    parser.add_argument(
+        "--db",
+        default=None,
+        metavar="URL",
+        help="a dedicated database (its demo tables are recreated; default: a "
+        "temporary SQLite file)",
+    )
     add_broker(parser)
     parser.add_argument("--json", action="store_true", help="end with one JSON object")
     parser.set_defaults(run=run_demo)
@@ -378,6 +444,12 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def register_bench(commands: Any) -> None:
+    from saga_engine.bench import cli as bench_cli
+
+    bench_cli.register(commands)
+
+
 REGISTRY: list[Callable[[Any], None]] = [
     register_demo,
     register_worker,
@@ -388,6 +460,7 @@ REGISTRY: list[Callable[[Any], None]] = [
     register_cleanup,
     register_outbox,
     register_db,
+    register_bench,
 ]
 
 if __name__ == "__main__":

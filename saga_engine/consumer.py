@@ -242,13 +242,19 @@ class MessageConsumer:
 
     def run(self, stop: threading.Event) -> None:
         """Consume until ``stop`` is set; database outages are waited out."""
+        failures = 0
         try:
             while not stop.is_set():
                 try:
                     self.run_once()
+                    failures = 0
                 except (exc.OperationalError, exc.InterfaceError, errors.TransportError) as error:
+                    # A deadlock victim should retry at once; a database that is away, a little
+                    # later each time. Long sleeps would also keep a Kafka consumer from polling
+                    # past its max_poll_interval and cost it its partitions.
+                    failures += 1
                     log.warning("%s: %s; retrying", self.name, str(error).splitlines()[0])
-                    stop.wait(1.0)
+                    stop.wait(min(2.0, 0.05 * 2**failures))
         finally:
             self.close()
 
