@@ -60,8 +60,10 @@ def _sqlite_engine(url: sa.URL, **kwargs: Any) -> Engine:
         # Let SQLAlchemy, not pysqlite, emit BEGIN; WAL lets readers run beside the single writer.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        # busy_timeout first: switching a new file to WAL needs a moment of exclusive access, and
+        # without the timeout a connection opened during another's write fails at once.
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
