@@ -18,7 +18,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 def unavailable(reason: str) -> None:
     if IN_CI:
         pytest.fail(f"required service unavailable in CI: {reason}", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason)  # only outside CI: a local run without the service
 
 
 @functools.cache

@@ -325,3 +325,14 @@ class MachineCpu:
         total, idle = self._sample()
         spent = total - self.start[0]
         return 1 - (idle - self.start[1]) / spent if spent > 0 else float("nan")
+
+
+@contextlib.contextmanager
+def world(db_url: str, broker_url: str, *, keep_db: bool = False) -> Iterator[tuple[str, Any, Any]]:
+    """A broker, a scratch database and a small engine on it: what every bench runs against."""
+    with kafka_broker(broker_url) as broker, scratch_database(db_url, keep=keep_db) as url:
+        engine = db.create_engine(url, pool_size=2)
+        try:
+            yield url, engine, broker
+        finally:
+            engine.dispose()

@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from saga_engine import db, errors, schema
+from saga_engine import errors, schema
 from saga_engine.bench import env, workload
 from saga_engine.bench.procs import Phase
 from saga_engine.bench.report import Report, percentile
@@ -57,15 +57,8 @@ class Options:
 
 
 def run(options: Options, report: Report) -> bool:
-    with (
-        env.kafka_broker(options.broker) as broker,
-        env.scratch_database(options.db, keep=options.keep_db) as url,
-    ):
-        engine = db.create_engine(url, pool_size=2)
-        try:
-            return Bench(options, report, url, engine, broker).run()
-        finally:
-            engine.dispose()
+    with env.world(options.db, options.broker, keep_db=options.keep_db) as (url, engine, broker):
+        return Bench(options, report, url, engine, broker).run()
 
 
 class Bench:

@@ -31,7 +31,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from saga_engine import db, errors, schema
+from saga_engine import errors, schema
 from saga_engine.bench import env
 from saga_engine.bench.procs import Phase, Result
 from saga_engine.bench.report import Report, percentile
@@ -75,15 +75,8 @@ class PhaseRun:
 
 def run(options: Options, report: Report) -> bool:
     """Run every phase; True when nothing was lost, duplicated or reordered."""
-    with (
-        env.kafka_broker(options.broker) as broker,
-        env.scratch_database(options.db, keep=options.keep_db) as url,
-    ):
-        engine = db.create_engine(url, pool_size=2)
-        try:
-            return Bench(options, report, url, engine, broker).run()
-        finally:
-            engine.dispose()
+    with env.world(options.db, options.broker, keep_db=options.keep_db) as (url, engine, broker):
+        return Bench(options, report, url, engine, broker).run()
 
 
 class Bench:
