@@ -78,8 +78,9 @@ class Transport(abc.ABC):
 
     #: URL scheme, for messages and status output.
     name: str = "transport"
-    #: True if a publish call is acknowledged whole or not at all (a table insert is; Kafka
-    #: partitions are not). The relay then sends a batch in one call instead of in per-key waves.
+    #: True if, within one publish call, all messages of a partition key are acknowledged
+    #: together or not at all (a table insert is; so is a Kafka record batch per partition). The
+    #: relay then sends a batch in one call instead of in per-key waves.
     atomic_publish: bool = False
 
     @abc.abstractmethod

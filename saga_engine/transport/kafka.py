@@ -4,22 +4,20 @@
 transport creates, default 8), ``replication_factor`` (default 1), ``client_id``,
 ``max_poll_interval_ms``, ``session_timeout_ms`` and ``request_timeout_ms``.
 
-Publishing is per-message precise: every message of a batch gets its own acknowledgement, waited for
-against one shared deadline, so the relay marks exactly the acknowledged rows. The key is the
-partition key, so one aggregate's messages stay in one partition, in order.
+Publishing goes through :class:`~saga_engine.transport.kafka_batch.BatchProducer`: a relay batch
+leaves as one record batch per partition (``acks=all``), and every message gets its own result, so
+the relay marks exactly the acknowledged rows. The key is the partition key, so one aggregate's
+messages stay in one partition, in order, and share their fate within a publish call.
 
 Consuming is at least once: offsets are committed only when the caller says its effects are
 committed, and ``release`` seeks back so given-back messages come again.
 
-Two kafka-python 3.0 behaviours shape this module. A client whose bootstrap fails leaves its IO
-thread running, so clients are only built after a TCP probe finds a broker. ``KafkaProducer.close``
-raises instead of closing while records are still pending, so a producer that failed is
-force-closed (see ``_retire_producer``).
+A kafka-python 3.0 client whose bootstrap fails leaves its IO thread running, so clients are only
+built after a TCP probe finds a broker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import threading
@@ -37,6 +35,7 @@ from saga_engine.transport.base import (
     PublishResult,
     Transport,
 )
+from saga_engine.transport.kafka_batch import BatchProducer
 
 with warnings.catch_warnings():
     # kafka-python 3.0 reads its protocol schemas with importlib.resources.read_text/open_text,
@@ -58,26 +57,14 @@ OPTIONS = (
     "request_timeout_ms",
 )
 
-#: Errors that concern one record, not the producer or the broker: the producer stays usable.
-_RECORD_ERRORS: tuple[type[BaseException], ...] = (
-    kafka_errors.MessageSizeTooLargeError,
-    kafka_errors.RecordListTooLargeError,
-    kafka_errors.InvalidTopicError,
-    kafka_errors.InvalidRecordError,
-    kafka_errors.TopicAuthorizationFailedError,
-    TypeError,
-    ValueError,
-)
-
-# send() blocks while it fetches metadata for a topic it does not know yet, up to max_block_ms. It
-# is fixed per producer, so publish waits in slices of this length and checks its own deadline.
-_SEND_BLOCK_MS = 500
-
 
 class KafkaTransport(Transport):
     """Publishes to and consumes from Kafka (or a Kafka-protocol broker such as tansu)."""
 
     name = "kafka"
+    #: All messages of a key go to one partition, and a partition's record batch is appended
+    #: whole or not at all (kafka_batch), so a call's messages of one key share their fate.
+    atomic_publish = True
 
     def __init__(
         self,
@@ -104,7 +91,7 @@ class KafkaTransport(Transport):
         # quickly. Group joins on tansu wait about half of it, so tests lower the poll interval.
         self.session_timeout_ms = session_timeout_ms or min(10_000, max_poll_interval_ms)
         self.request_timeout_ms = request_timeout_ms
-        self._producer: Any = None
+        self._producer: BatchProducer | None = None
         # One publish at a time: a failed publish replaces the producer, which must not happen
         # under another thread's sends; batching makes the serialisation cheap.
         self._lock = threading.Lock()
@@ -140,87 +127,34 @@ class KafkaTransport(Transport):
             producer, error = self._ensure_producer(deadline)
             if producer is None:
                 return [PublishResult(m.message_id, error, unreachable=True) for m in messages]
-            outcomes = self._send_all(producer, messages, deadline)
-            _flush(producer, deadline)
-            results = [
-                _await(message, sent, deadline)
-                for message, sent in zip(messages, outcomes, strict=True)
-            ]
-            if any(r.producer_broken for r in results):
-                # A timed-out or failed producer may hold records it keeps retrying, or be stuck
-                # in a fatal idempotence state (a restarted broker that lost our producer id
-                # answers every batch with an error). A fresh one starts clean.
-                self._retire_producer(grace=0.0)
-        return [r.result for r in results]
+            results = producer.publish(messages, deadline)
+            if any(r.unreachable for r in results):
+                # A broker that went away, restarted or moved a leader: a fresh client starts
+                # from a new bootstrap and fresh metadata instead of a reconnect backoff.
+                self._retire_producer()
+        return results
 
-    def _ensure_producer(self, deadline: float) -> tuple[Any, str]:
+    def _ensure_producer(self, deadline: float) -> tuple[BatchProducer | None, str]:
         if self._producer is not None:
             return self._producer, ""
         try:
             self._probe(deadline)
-            self._producer = kafka.KafkaProducer(**self._producer_config(deadline))
+            self._producer = BatchProducer(
+                self.bootstrap_servers,
+                client_id=self.client_id,
+                request_timeout_ms=self.request_timeout_ms,
+                bootstrap_timeout_ms=_remaining_ms(deadline),
+            )
         except errors.TransportError as exc:
             return None, str(exc)
         except (kafka_errors.KafkaError, OSError) as exc:
             return None, f"cannot connect a producer to {self._servers_text}: {_describe(exc)}"
         return self._producer, ""
 
-    def _producer_config(self, deadline: float) -> dict[str, Any]:
-        return {
-            "bootstrap_servers": list(self.bootstrap_servers),
-            "client_id": self.client_id,
-            # The relay marks a row sent only when every in-sync replica has it.
-            "acks": "all",
-            # The broker drops duplicate retried batches, so retries neither duplicate nor
-            # reorder a partition; idempotence allows at most 5 requests in flight per broker.
-            "enable_idempotence": True,
-            "max_in_flight_requests_per_connection": 5,
-            # The relay hands over whole batches and flushes, so linger only decides whether the
-            # sender starts before the batch is appended; a few ms lets each partition's records
-            # go out together. A large batch size sends a partition's share of a relay batch as
-            # one record batch: with the 16 KiB default, 500 envelopes of 1 KiB over 8 partitions
-            # leave as ~4 batches per partition, queued behind each other.
-            "linger_ms": 5,
-            "batch_size": 512 * 1024,
-            "max_block_ms": _SEND_BLOCK_MS,
-            "request_timeout_ms": self.request_timeout_ms,
-            # Bounds the producer's own retrying of a record (it must exceed linger + one
-            # request); after that it reports the record failed, as we already did.
-            "delivery_timeout_ms": 2 * self.request_timeout_ms,
-            "bootstrap_timeout_ms": _remaining_ms(deadline),
-        }
-
-    def _send_all(
-        self, producer: Any, messages: Sequence[OutgoingMessage], deadline: float
-    ) -> list[_Sent]:
-        stalled: set[str] = set()  # topics whose metadata did not arrive: fail fast, in order
-        outcomes = []
-        for message in messages:
-            sent = _send(producer, message, deadline, stalled)
-            if sent.error.startswith("no metadata"):
-                stalled.add(message.destination)
-            outcomes.append(sent)
-        return outcomes
-
-    def _retire_producer(self, grace: float) -> None:
+    def _retire_producer(self) -> None:
         producer, self._producer = self._producer, None
-        if producer is None:
-            return
-        try:
-            producer.close(timeout=grace)
-            return
-        except kafka_errors.KafkaError:
-            pass
-        # kafka-python 3.0's close() raises before force-closing while records are pending (its
-        # flush times out), leaving a thread that keeps retrying them. The caller already has
-        # them as failed, so abandon them; ``_sender`` is private, hence the guard.
-        sender = getattr(producer, "_sender", None)
-        if sender is not None:
-            sender.force_close()
-        try:
-            producer.close(timeout=max(grace, 1.0))
-        except kafka_errors.KafkaError as exc:
-            log.warning("kafka producer did not close cleanly: %s", _describe(exc))
+        if producer is not None:
+            producer.close()
 
     # -- channels and consumers -------------------------------------------------------------
 
@@ -292,7 +226,7 @@ class KafkaTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            self._retire_producer(grace=5.0)
+            self._retire_producer()
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -360,75 +294,6 @@ class KafkaGroupConsumer(Consumer):
             self._client.close(autocommit=False, timeout_ms=5000)
         except kafka_errors.KafkaError as exc:
             log.warning("kafka consumer did not close cleanly: %s", _describe(exc))
-
-
-# -- publishing helpers --------------------------------------------------------------------
-
-
-class _Sent:
-    """A send attempt: the future, or why there is none."""
-
-    __slots__ = ("error", "future", "producer_broken")
-
-    def __init__(self, future: Any = None, error: str = "", producer_broken: bool = False) -> None:
-        self.future = future
-        self.error = error
-        self.producer_broken = producer_broken
-
-
-class _Outcome:
-    __slots__ = ("producer_broken", "result")
-
-    def __init__(self, result: PublishResult, producer_broken: bool) -> None:
-        self.result = result
-        self.producer_broken = producer_broken
-
-
-def _send(producer: Any, message: OutgoingMessage, deadline: float, stalled: set[str]) -> _Sent:
-    topic = message.destination
-    if topic in stalled:
-        return _Sent(error=f"no metadata for topic {topic!r} in time", producer_broken=True)
-    while True:
-        try:
-            return _Sent(future=_send_one(producer, message))
-        except kafka_errors.KafkaTimeoutError:
-            # send() gave up waiting for the topic's metadata after one slice of max_block_ms.
-            if time.monotonic() >= deadline:
-                return _Sent(error=f"no metadata for topic {topic!r} in time", producer_broken=True)
-        except (kafka_errors.KafkaError, TypeError, ValueError) as exc:
-            return _Sent(error=_describe(exc), producer_broken=not isinstance(exc, _RECORD_ERRORS))
-
-
-def _send_one(producer: Any, message: OutgoingMessage) -> Any:
-    return producer.send(
-        message.destination,
-        key=message.partition_key.encode(),
-        value=message.value,
-        headers=list(message.headers),
-    )
-
-
-def _flush(producer: Any, deadline: float) -> None:
-    """Send lingering batches now; a timeout here shows up in the per-message waits."""
-    with contextlib.suppress(kafka_errors.KafkaError):
-        producer.flush(timeout=_remaining_ms(deadline) / 1000)
-
-
-def _await(message: OutgoingMessage, sent: _Sent, deadline: float) -> _Outcome:
-    if sent.future is None:
-        result = PublishResult(message.message_id, sent.error, unreachable=sent.producer_broken)
-        return _Outcome(result, sent.producer_broken)
-    try:
-        sent.future.get(timeout=max(0.0, deadline - time.monotonic()))
-    except kafka_errors.KafkaTimeoutError:
-        error = "not acknowledged before the publish timeout"
-        return _Outcome(PublishResult(message.message_id, error, unreachable=True), True)
-    except kafka_errors.KafkaError as exc:
-        # A record error (too large, bad topic) is the message's own; anything else is the broker.
-        broken = not isinstance(exc, _RECORD_ERRORS)
-        result = PublishResult(message.message_id, _describe(exc), unreachable=broken)
-        return _Outcome(result, broken)
-    return _Outcome(PublishResult(message.message_id), False)
 
 
 # -- consuming helpers ---------------------------------------------------------------------

@@ -145,6 +145,44 @@ def test_partial_failure_is_reported_for_exactly_the_failed_messages(
     assert all(r.ok for r in transport.publish(messages(topic, ["order-1"], 2), timeout=10))
 
 
+def test_a_partition_larger_than_one_record_batch_arrives_whole_and_in_order(
+    transport: KafkaTransport, topic: str
+) -> None:
+    transport.ensure_channels([topic])
+    # 40 messages of 30 KiB for one key: about 1.2 MiB, so several record batches (kafka_batch
+    # sends them in rounds, each after the previous one was acknowledged).
+    batch = [
+        OutgoingMessage(f"m{i}", topic, "order-1", f"{i:04d}".encode() + b"x" * 30_000)
+        for i in range(40)
+    ]
+
+    results = transport.publish(batch, timeout=20)
+
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    with transport.consumer(group(), [topic]) as consumer:
+        received = receive(consumer, len(batch))
+    assert [d.value[:4] for d in received] == [f"{i:04d}".encode() for i in range(40)]
+
+
+def test_a_refused_message_holds_back_the_later_messages_of_its_key_only(
+    transport: KafkaTransport, topic: str
+) -> None:
+    transport.ensure_channels([topic])
+    first, later = messages(topic, ["order-2"], per_key=2)
+    too_large = OutgoingMessage("big", topic, "order-2", b"x" * (2 * 1024 * 1024))
+    others = messages(topic, ["order-1", "order-3"], per_key=2)
+
+    results = transport.publish([first, too_large, later, *others], timeout=10)
+
+    by_id = {r.message_id: r for r in results}
+    assert by_id[first.message_id].ok
+    assert not by_id["big"].ok and not by_id["big"].unreachable
+    # Sent, the later message would overtake the refused one; it is retried after it instead,
+    # without spending its retry budget.
+    assert not by_id[later.message_id].ok and by_id[later.message_id].unreachable
+    assert all(by_id[m.message_id].ok for m in others)
+
+
 def test_ensure_channels_is_idempotent(transport: KafkaTransport, topic: str) -> None:
     transport.ensure_channels([topic, topic])
     transport.ensure_channels([topic])

@@ -1,0 +1,50 @@
+"""The batch producer's pure parts: the partitioner and the record-size refusal."""
+
+from __future__ import annotations
+
+import warnings
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from saga_engine.transport.base import OutgoingMessage
+from saga_engine.transport.kafka_batch import (
+    MAX_RECORD_BYTES,
+    _size_check,
+    murmur2,
+    partition_for,
+)
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", r"(read|open)_text is deprecated", DeprecationWarning)
+    from kafka.partitioner.default import murmur2 as kafka_murmur2
+
+
+@given(st.binary(max_size=80))
+def test_murmur2_matches_kafka_pythons_copy_of_the_java_client(data: bytes) -> None:
+    assert murmur2(data) == kafka_murmur2(data)
+
+
+def test_murmur2_known_values_of_the_java_client() -> None:
+    # org.apache.kafka.common.utils.UtilsTest.testMurmur2 (signed there; unsigned here).
+    cases = {b"21": -973932308, b"foobar": -790332482, b"a-little-bit-long-string": -985981536}
+    for data, signed in cases.items():
+        assert murmur2(data) == signed & 0xFFFFFFFF
+
+
+@given(st.binary(max_size=40), st.integers(min_value=1, max_value=64))
+def test_partition_index_is_in_range_and_follows_the_default_partitioner(
+    key: bytes, count: int
+) -> None:
+    index = partition_for(key, count)
+    assert 0 <= index < count
+    assert index == (kafka_murmur2(key) & 0x7FFFFFFF) % count
+
+
+def test_a_record_larger_than_a_produce_request_is_refused_before_sending() -> None:
+    small = OutgoingMessage("m1", "t", "k", b"x" * 1000)
+    large = OutgoingMessage("m2", "t", "k", b"x" * (MAX_RECORD_BYTES + 1))
+    assert _size_check(small) is None
+    refusal = _size_check(large)
+    assert refusal is not None and not refusal.ok and not refusal.unreachable
+    assert "MessageSizeTooLarge" in str(refusal.error)
