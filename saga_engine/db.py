@@ -6,6 +6,8 @@ speaks SQLAlchemy Core only.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -63,7 +65,7 @@ def _sqlite_engine(url: sa.URL, **kwargs: Any) -> Engine:
         # busy_timeout first: switching a new file to WAL needs a moment of exclusive access, and
         # without the timeout a connection opened during another's write fails at once.
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _switch_to_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
@@ -74,6 +76,23 @@ def _sqlite_engine(url: sa.URL, **kwargs: Any) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _switch_to_wal(cursor: Any) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while SQLite answers "database is locked".
+
+    While another connection switches the same new file, SQLite may refuse the change at once,
+    without waiting on busy_timeout (seen with several workers opening a fresh database together).
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 def check_connection(engine: Engine) -> None:
