@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import io
 import logging
@@ -76,6 +77,21 @@ VERSION_TABLE = "saga_engine_alembic_version"
 LOCK_KEY = 0x5A6A_E461_0001
 LOCK_NAME = "saga_engine_migrations"
 LOCK_TIMEOUT_SECONDS = 300
+#: MySQL and MariaDB refuse lock names longer than this.
+MYSQL_LOCK_NAME_MAX = 64
+
+
+def mysql_lock_name(database: str) -> str:
+    """The MySQL lock of ``database``'s upgrades.
+
+    ``GET_LOCK`` names are global to the server, unlike PostgreSQL's advisory locks (which belong
+    to one database), so the name carries the database: upgrades of two databases on one server
+    need not wait for each other. A name too long for the server is shortened to a digest.
+    """
+    name = f"{LOCK_NAME}.{database}"
+    if len(name) <= MYSQL_LOCK_NAME_MAX:
+        return name
+    return f"{LOCK_NAME}.{hashlib.sha1(database.encode()).hexdigest()}"
 
 
 def upgrade(
@@ -270,18 +286,19 @@ def _migration_lock(conn: Connection) -> Iterator[None]:
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": LOCK_KEY})
         yield
     elif name == "mysql":
+        lock = mysql_lock_name(conn.scalar(sa.text("SELECT DATABASE()")) or "")
         got = conn.scalar(
             sa.text("SELECT GET_LOCK(:name, :timeout)"),
-            {"name": LOCK_NAME, "timeout": LOCK_TIMEOUT_SECONDS},
+            {"name": lock, "timeout": LOCK_TIMEOUT_SECONDS},
         )
         if got != 1:
             raise errors.DatabaseUnavailable(
-                f"another saga-engine migration held {LOCK_NAME!r} for {LOCK_TIMEOUT_SECONDS} s"
+                f"another saga-engine migration held {lock!r} for {LOCK_TIMEOUT_SECONDS} s"
             )
         try:
             yield
         finally:
-            conn.scalar(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": LOCK_NAME})
+            conn.scalar(sa.text("SELECT RELEASE_LOCK(:name)"), {"name": lock})
     else:
         yield  # SQLite: the transaction began with BEGIN IMMEDIATE, the database's write lock
 

@@ -157,6 +157,19 @@ def test_concurrent_upgrades_take_turns(empty_url: str, engine_of: Any) -> None:
     assert differences(engine_of(empty_url)) == []
 
 
+def test_mariadb_upgrades_of_other_databases_do_not_wait(
+    empty_mariadb_url: str, engine_of: Any
+) -> None:
+    """``GET_LOCK`` names are global to a server: the lock must name the database it guards."""
+    other = migrate.mysql_lock_name("some_other_database")
+    with engine_of(empty_mariadb_url).connect() as holder:
+        assert holder.scalar(sa.text("SELECT GET_LOCK(:n, 0)"), {"n": other}) == 1
+        try:
+            assert migrate.upgrade(empty_mariadb_url) == migrate.head()
+        finally:
+            holder.scalar(sa.text("SELECT RELEASE_LOCK(:n)"), {"n": other})
+
+
 def test_downgrade_to_base_removes_everything_and_upgrade_restores_it(
     empty_url: str, engine_of: Any
 ) -> None:
