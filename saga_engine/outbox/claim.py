@@ -13,6 +13,9 @@ Both apply the same **order guard**: a claimed row is published only if every ea
 its partition key is in the same claim. An earlier row that another relay holds, or that waits in
 retry backoff, is still PENDING in the table, so it blocks every later row of its key. Hence a later
 message of a key is never published before an earlier one (see docs/outbox.md, "Why order holds").
+
+Every statement of a pass is built once, at import, with bind parameters (see ``Statements``):
+building and compiling them anew costs more client CPU than the database spends running them.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
+from sqlalchemy.dialects import postgresql
 
 from saga_engine import db, ids, schema
 
@@ -51,6 +55,160 @@ ROW_COLUMNS = (
 )
 
 
+class OutboxRow(NamedTuple):
+    """A claimed row: ``ROW_COLUMNS``, in that order.
+
+    Claims hand these out instead of ``sa.Row``: a relay reads a few fields of every row several
+    times per pass, and a named tuple's field costs a tenth of a ``Row`` attribute lookup.
+    """
+
+    id: int
+    message_id: str
+    message_type: str
+    destination: str
+    partition_key: str
+    aggregate_type: str
+    aggregate_id: str
+    correlation_id: str | None
+    causation_id: str | None
+    tenant_id: str | None
+    headers: str
+    payload: str
+    retry_count: int
+    created_at: datetime
+
+
+def outbox_row(row: OutboxRow | sa.Row[*tuple[Any, ...]]) -> OutboxRow:
+    """``row`` (an :class:`OutboxRow`, or any result row with the outbox's column names)."""
+    if type(row) is OutboxRow:
+        return row
+    if tuple(row._fields) == OutboxRow._fields:  # a row of ROW_COLUMNS: the same positions
+        return OutboxRow._make(row)
+    return OutboxRow._make(getattr(row, name) for name in OutboxRow._fields)
+
+
+def _outbox_rows(result: Iterable[Any]) -> list[OutboxRow]:
+    return [OutboxRow._make(row) for row in result]
+
+
+def in_list(column: sa.ColumnElement[Any], name: str, *, array: bool) -> sa.ColumnElement[bool]:
+    """``column IN (:name)`` for a list bound at execution.
+
+    With ``array`` (PostgreSQL) the list is one array parameter, ``column = ANY(:name)``: the SQL
+    text never changes, where an expanded ``IN`` renders and binds one parameter per element on
+    every call (12.8 ms of client CPU for the order guard of a 500-row batch, against 2.0 ms).
+    Elsewhere it is an expanding ``IN``, rendered per call but compiled once.
+    """
+    if array:
+        return column == sa.any_(sa.bindparam(name, type_=postgresql.ARRAY(column.type)))
+    return column.in_(sa.bindparam(name, expanding=True))
+
+
+#: ``status = 0`` as a literal, not a parameter: a prepared statement's generic plan (psycopg
+#: prepares a statement on its fifth execution) could not otherwise use the partial index of
+#: PENDING rows, whose predicate is this literal.
+IS_PENDING = t.c.status == sa.literal_column(str(int(PENDING)), sa.SmallInteger())
+
+_NOW = sa.bindparam("now", type_=t.c.next_retry_at.type)
+_LIMIT = sa.bindparam("limit", type_=sa.Integer())
+_TOKEN = sa.bindparam("token", type_=t.c.claimed_by.type)
+_LEASE_UNTIL = sa.bindparam("new_lease_until", type_=t.c.lease_until.type)
+
+
+def not_behind_backoff(now: datetime | sa.BindParameter[datetime]) -> sa.ColumnElement[bool]:
+    """The row's key has no row waiting in retry backoff.
+
+    Rows queued behind a failed message could only be held back by the order guard, yet they come
+    first by id: a few hundred of them would fill every batch and starve all other keys until it
+    succeeds. Normally the row in backoff is its key's earliest unsent one (the guard saw to it),
+    so the whole key waits. Uncorrelated on purpose: PostgreSQL hashes this NOT IN, where a
+    correlated NOT EXISTS was planned as a nested loop, quadratic on a table without statistics.
+    """
+    in_backoff = sa.select(t.c.partition_key).where(IS_PENDING, t.c.next_retry_at > now)
+    return t.c.partition_key.not_in(in_backoff)
+
+
+@dataclasses.dataclass(frozen=True)
+class Statements:
+    """The claim's statements for one kind of server: PostgreSQL binds id and key lists as arrays.
+
+    Parameters: ``now``, ``limit``, ``ids``, ``keys``, ``max_id``, ``token``, ``new_lease_until``.
+    """
+
+    #: SKIP LOCKED: lock the next due rows. The id sort is safe with a locking clause because ids
+    #: never change (PostgreSQL warns that ORDER BY + FOR UPDATE may return rows out of order only
+    #: when the key is updated).
+    claim: sa.Select[Any]
+    #: Optimistic: the ids of the next due, unleased rows; then those still free, locked.
+    candidates: sa.Select[Any]
+    take: sa.Select[Any]
+    lease: sa.Update
+    #: The earliest PENDING row of each key in ``keys`` that is not one of ``ids``.
+    guard: sa.Select[Any]
+    lock: sa.Select[Any]
+    release: sa.Update
+
+    @classmethod
+    def build(cls, *, array: bool) -> Statements:
+        free = sa.or_(t.c.lease_until.is_(None), t.c.lease_until < _NOW)
+        due = (IS_PENDING, t.c.next_retry_at <= _NOW, not_behind_backoff(_NOW))
+        id_in = in_list(t.c.id, "ids", array=array)
+        return cls(
+            claim=sa.select(*ROW_COLUMNS)
+            .where(*due)
+            .order_by(t.c.id)
+            .limit(_LIMIT)
+            .with_for_update(skip_locked=True),
+            candidates=sa.select(t.c.id).where(*due, free).order_by(t.c.id).limit(_LIMIT),
+            take=_by_primary_key(
+                sa.select(*ROW_COLUMNS)
+                .where(id_in, IS_PENDING, free)
+                .order_by(t.c.id)
+                .with_for_update()
+            ),
+            lease=sa.update(t).where(id_in).values(claimed_by=_TOKEN, lease_until=_LEASE_UNTIL),
+            guard=sa.select(t.c.partition_key, sa.func.min(t.c.id))
+            .where(
+                IS_PENDING,
+                in_list(t.c.partition_key, "keys", array=array),
+                t.c.id < sa.bindparam("max_id", type_=t.c.id.type),
+                sa.not_(id_in),
+            )
+            .group_by(t.c.partition_key),
+            lock=_by_primary_key(sa.select(t.c.id).where(id_in).order_by(t.c.id).with_for_update()),
+            release=sa.update(t)
+            .where(id_in, t.c.claimed_by == _TOKEN)
+            .values(claimed_by=sa.null(), lease_until=sa.null()),
+        )
+
+
+def _by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
+    """``select``, told to read (and so lock) rows through the primary key on MySQL/MariaDB.
+
+    InnoDB locks every index record a locking read scans. Left to itself, it may find the rows of
+    ``id IN (...) AND status = 0`` through the ``(status, sent_at)`` index, locking those entries
+    in that index's order, while a relay marking its batch holds the rows' primary records and
+    needs the same entries to change them: a deadlock (seen with four optimistic relays). Through
+    the primary key every transaction locks in id order, as ``lock_in_id_order`` intends.
+    """
+    for dialect in ("mysql", "mariadb"):
+        select = select.with_hint(t, "FORCE INDEX (PRIMARY)", dialect_name=dialect)
+    return select
+
+
+_ARRAY_STATEMENTS = Statements.build(array=True)
+_LIST_STATEMENTS = Statements.build(array=False)
+
+
+def uses_arrays(conn: Connection) -> bool:
+    """Whether ``conn`` binds lists as arrays (PostgreSQL) rather than expanded ``IN`` lists."""
+    return conn.dialect.name == "postgresql"
+
+
+def statements(conn: Connection) -> Statements:
+    return _ARRAY_STATEMENTS if uses_arrays(conn) else _LIST_STATEMENTS
+
+
 @dataclasses.dataclass
 class Claim:
     """A batch a relay owns: ``rows`` to publish, and the connection in which to mark them.
@@ -59,7 +217,7 @@ class Claim:
     """
 
     conn: Connection
-    rows: list[Any]  # sa.Row of ROW_COLUMNS
+    rows: list[OutboxRow]
     token: str | None = None
 
 
@@ -82,15 +240,7 @@ class SkipLockedClaim(ClaimStrategy):
             if db.dialect_name(conn) == "mysql":
                 # REPEATABLE READ would let the order guard read a snapshot older than the locks.
                 conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            # The id sort is safe with a locking clause because ids never change (PostgreSQL warns
-            # that ORDER BY + FOR UPDATE may return rows out of order only when the key is updated).
-            rows = conn.execute(
-                sa.select(*ROW_COLUMNS)
-                .where(t.c.status == PENDING, t.c.next_retry_at <= now, not_behind_backoff(now))
-                .order_by(t.c.id)
-                .limit(limit)
-                .with_for_update(skip_locked=True)
-            ).all()
+            rows = _outbox_rows(conn.execute(statements(conn).claim, {"now": now, "limit": limit}))
             publishable = order_guard(conn, rows)
             yield Claim(conn, publishable)
             # Rows held back by the guard need nothing: their locks end with the transaction.
@@ -117,14 +267,9 @@ class OptimisticClaim(ClaimStrategy):
             yield Claim(conn, publishable, token=token)
             conn.commit()
 
-    def _take(self, conn: Connection, token: str, limit: int, now: datetime) -> list[Any]:
-        free = sa.or_(t.c.lease_until.is_(None), t.c.lease_until < now)
-        candidates = conn.scalars(
-            sa.select(t.c.id)
-            .where(t.c.status == PENDING, t.c.next_retry_at <= now, free, not_behind_backoff(now))
-            .order_by(t.c.id)
-            .limit(limit)
-        ).all()
+    def _take(self, conn: Connection, token: str, limit: int, now: datetime) -> list[OutboxRow]:
+        stmts = statements(conn)
+        candidates = conn.scalars(stmts.candidates, {"now": now, "limit": limit}).all()
         if not candidates:
             return []
         # The article's optimistic lock: only rows still PENDING and unleased change hands; a row
@@ -132,19 +277,17 @@ class OptimisticClaim(ClaimStrategy):
         # before they are changed: an UPDATE ... IN locks in scan order (physical order on
         # PostgreSQL), so two claims, or a claim and another relay's marks, could each hold a row
         # the other waits for, a deadlock. See also ``lock_in_id_order``.
-        rows = conn.execute(
-            sa.select(*ROW_COLUMNS)
-            .where(t.c.id.in_(candidates), t.c.status == PENDING, free)
-            .order_by(t.c.id)
-            .with_for_update()
-        ).all()
+        rows = _outbox_rows(conn.execute(stmts.take, {"ids": list(candidates), "now": now}))
         if rows:
             conn.execute(
-                sa.update(t)
-                .where(t.c.id.in_([row.id for row in rows]))
-                .values(claimed_by=token, lease_until=now + self.lease)
+                stmts.lease,
+                {
+                    "ids": [row.id for row in rows],
+                    "token": token,
+                    "new_lease_until": now + self.lease,
+                },
             )
-        return list(rows)
+        return rows
 
 
 def lock_in_id_order(conn: Connection, row_ids: Sequence[int]) -> None:
@@ -154,31 +297,12 @@ def lock_in_id_order(conn: Connection, row_ids: Sequence[int]) -> None:
     none can hold one row while waiting for another that a second one holds. SQLite has no row
     locks (one writer at a time) and ignores this.
     """
-    conn.execute(
-        sa.select(t.c.id).where(t.c.id.in_(row_ids)).order_by(t.c.id).with_for_update()
-    ).all()
+    conn.execute(statements(conn).lock, {"ids": list(row_ids)}).all()
 
 
 def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
     """Give leased rows back without publishing them."""
-    conn.execute(
-        sa.update(t)
-        .where(t.c.id.in_(row_ids), t.c.claimed_by == token)
-        .values(claimed_by=None, lease_until=None)
-    )
-
-
-def not_behind_backoff(now: datetime) -> sa.ColumnElement[bool]:
-    """The row's key has no row waiting in retry backoff.
-
-    Rows queued behind a failed message could only be held back by the order guard, yet they come
-    first by id: a few hundred of them would fill every batch and starve all other keys until it
-    succeeds. Normally the row in backoff is its key's earliest unsent one (the guard saw to it),
-    so the whole key waits. Uncorrelated on purpose: PostgreSQL hashes this NOT IN, where a
-    correlated NOT EXISTS was planned as a nested loop, quadratic on a table without statistics.
-    """
-    in_backoff = sa.select(t.c.partition_key).where(t.c.status == PENDING, t.c.next_retry_at > now)
-    return t.c.partition_key.not_in(in_backoff)
+    conn.execute(statements(conn).release, {"ids": list(row_ids), "token": token})
 
 
 def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
@@ -190,19 +314,9 @@ def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     if not rows:
         return []
     claimed = [row.id for row in rows]
-    keys = {row.partition_key for row in rows}
-    blockers = dict(
-        conn.execute(
-            sa.select(t.c.partition_key, sa.func.min(t.c.id))
-            .where(
-                t.c.status == PENDING,
-                t.c.partition_key.in_(keys),
-                t.c.id < max(claimed),
-                t.c.id.not_in(claimed),
-            )
-            .group_by(t.c.partition_key)
-        ).all()
-    )
+    keys = list(dict.fromkeys(row.partition_key for row in rows))
+    params = {"keys": keys, "ids": claimed, "max_id": max(claimed)}
+    blockers: dict[str, int] = dict(conn.execute(statements(conn).guard, params).all())
     if not blockers:
         return list(rows)
     return [row for row in rows if row.id < blockers.get(row.partition_key, row.id + 1)]

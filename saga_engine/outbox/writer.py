@@ -2,22 +2,61 @@
 
 This is the whole point of the pattern: the business rows and the messages they imply are one
 local transaction, so they commit or roll back together. The writer never commits.
+
+Its cost is added to every business transaction that sends a message, so the path is kept short:
+the insert is built once, and on PostgreSQL and MySQL it goes to the driver as precompiled SQL
+(see ``_driver_sql``).
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import Session
 
 from saga_engine import clock, db, errors, schema
 from saga_engine.messages import Envelope
 
+t = schema.outbox
+
 #: Built once: constructing the statement per call costs as much as the insert on a fast path.
-_INSERT = schema.outbox.insert()
+#: ``inline``: no ``RETURNING id``, which PostgreSQL would otherwise send back for every
+#: single-row insert and which the writer never reads.
+_INSERT = t.insert().inline()
+
+#: The columns every row sets, in the order of the table.
+_COLUMNS = (
+    "message_id",
+    "aggregate_type",
+    "aggregate_id",
+    "message_type",
+    "destination",
+    "partition_key",
+    "correlation_id",
+    "causation_id",
+    "tenant_id",
+    "headers",
+    "payload",
+    "status",
+    "retry_count",
+    "next_retry_at",
+    "created_at",
+    "updated_at",
+)
+
+#: ``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` and the same with ASCII:
+#: ``json.dumps`` with options builds a new encoder on every call.
+_PAYLOAD_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_HEADERS_JSON = json.JSONEncoder(separators=(",", ":"))
+
+#: A plain int: drivers handed the row directly need not know the enum.
+_PENDING = int(schema.OutboxStatus.PENDING)
 
 #: Kafka's default ``message.max.bytes``: a larger payload could never be delivered.
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
@@ -40,20 +79,28 @@ class OutboxWriter:
         self.add_many(tx, (envelope,))
 
     def add_many(self, tx: Session | Connection, envelopes: Iterable[Envelope]) -> None:
-        """Add several messages with one executemany insert."""
+        """Add several messages with one (executemany) insert."""
         now = self.clock.now()
         rows = [self._row(envelope, now) for envelope in envelopes]
-        if rows:
-            db.connection_of(tx).execute(_INSERT, rows)
+        if not rows:
+            return
+        conn = db.connection_of(tx)
+        sql = _driver_sql(conn.dialect)
+        if sql is None or conn.get_execution_options().get("schema_translate_map"):
+            conn.execute(_INSERT, rows)
+        else:
+            conn.exec_driver_sql(sql, rows[0] if len(rows) == 1 else rows)
 
-    def _row(self, envelope: Envelope, now: Any) -> dict[str, Any]:
-        payload = json.dumps(envelope.payload, separators=(",", ":"), ensure_ascii=False)
-        size = len(payload.encode())
+    def _row(self, envelope: Envelope, now: datetime) -> dict[str, Any]:
+        payload = _PAYLOAD_JSON.encode(envelope.payload)
+        # Text of ASCII only is as many bytes as characters: no need to encode it to count them.
+        size = len(payload) if payload.isascii() else len(payload.encode())
         if size > self.max_payload_bytes:
             raise errors.PayloadTooLarge(
                 f"payload of {envelope.message_type} {envelope.message_id} is {size} bytes, "
                 f"over the {self.max_payload_bytes}-byte limit; send a reference instead"
             )
+        headers = envelope.headers
         return {
             "message_id": envelope.message_id,
             "aggregate_type": envelope.aggregate_type,
@@ -64,11 +111,43 @@ class OutboxWriter:
             "correlation_id": envelope.correlation_id,
             "causation_id": envelope.causation_id,
             "tenant_id": envelope.tenant_id,
-            "headers": json.dumps(envelope.headers, separators=(",", ":")),
+            "headers": _HEADERS_JSON.encode(headers) if headers else "{}",
             "payload": payload,
-            "status": schema.OutboxStatus.PENDING,
+            "status": _PENDING,
             "retry_count": 0,
             "next_retry_at": now,
             "created_at": now,
             "updated_at": now,
         }
+
+
+_DRIVER_SQL: weakref.WeakKeyDictionary[Dialect, str | None] = weakref.WeakKeyDictionary()
+
+
+def _driver_sql(dialect: Dialect) -> str | None:
+    """The insert compiled for ``dialect``, once per dialect (see ``_compile_for_driver``)."""
+    try:
+        return _DRIVER_SQL[dialect]
+    except KeyError:
+        sql = _DRIVER_SQL[dialect] = _compile_for_driver(dialect)
+        return sql
+
+
+def _compile_for_driver(dialect: Dialect) -> str | None:
+    """The insert as the driver's own SQL text, or None where SQLAlchemy must convert the values.
+
+    Executing a compiled statement costs client CPU on every call (cache lookup, parameter
+    processing, result setup) even when the statement is built once: about a third of the
+    insert's. On PostgreSQL and MySQL no outbox column converts its value on the way in, so the
+    rows can go to the driver as they are, as the text SQLAlchemy itself would send. SQLite turns
+    datetimes into text (a bind processor) and keeps the compiled path.
+    """
+    if dialect.paramstyle not in ("pyformat", "named"):  # rows are dicts: named parameters only
+        return None
+    for name in _COLUMNS:
+        if t.c[name].type.dialect_impl(dialect).bind_processor(dialect) is not None:
+            return None
+    compiled = _INSERT.compile(dialect=dialect, column_keys=list(_COLUMNS))
+    if set(compiled.params) != set(_COLUMNS):  # parameters renamed: not the rows' keys
+        return None
+    return compiled.string
