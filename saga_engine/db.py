@@ -6,15 +6,20 @@ speaks SQLAlchemy Core only.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import event, exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from saga_engine import errors
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -122,18 +127,47 @@ def insert_ignoring_duplicates(
     """
     if not rows:
         return 0
+    key = next(iter(table.primary_key.columns))
+    return len(insert_new(bind, table, rows, key))
+
+
+def insert_new(
+    bind: Connection, table: sa.Table, rows: list[dict[str, Any]], key: sa.Column[Any]
+) -> list[Any]:
+    """Insert ``rows``, skipping those whose unique key exists; returns ``key`` of each new row.
+
+    PostgreSQL and SQLite: one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` for all the rows (an
+    executemany that SQLAlchemy sends as multi-row VALUES). MySQL/MariaDB: one ``INSERT IGNORE``
+    per row, as their drivers report neither RETURNING for many rows nor a per-row count.
+    """
+    if not rows:
+        return []
     name = dialect_name(bind)
-    stmt: Any
+    stmt = _ignoring_insert(name, table, key)
     if name in ("postgresql", "sqlite"):
         # rowcount of ON CONFLICT DO NOTHING is not reported by every driver (psycopg 3 gives -1),
         # so ask the database which rows it inserted.
-        insert = _upsert_insert(name)
-        key = next(iter(table.primary_key.columns))
-        stmt = insert(table).on_conflict_do_nothing().returning(key)
-        return sum(1 for row in rows if bind.execute(stmt, row).first() is not None)
-    stmt = table.insert().prefix_with("IGNORE")
-    # executemany's rowcount is not reliable everywhere; one statement per row stays precise.
-    return sum(int(bind.execute(stmt, row).rowcount) for row in rows)
+        if len(rows) == 1:
+            return list(bind.execute(stmt, rows[0]).scalars())
+        return list(bind.execute(stmt, rows).scalars())
+    return [row[key.key] for row in rows if bind.execute(stmt, row).rowcount]
+
+
+#: Statements built once per dialect, table and key: building one anew costs as much client CPU
+#: as executing it.
+_IGNORING_INSERTS: dict[tuple[str, str, str], Any] = {}
+
+
+def _ignoring_insert(name: str, table: sa.Table, key: sa.Column[Any]) -> Any:
+    cache_key = (name, table.fullname, key.key)
+    stmt = _IGNORING_INSERTS.get(cache_key)
+    if stmt is None:
+        if name in ("postgresql", "sqlite"):
+            stmt = _upsert_insert(name)(table).on_conflict_do_nothing().returning(key)
+        else:
+            stmt = table.insert().prefix_with("IGNORE")
+        _IGNORING_INSERTS[cache_key] = stmt
+    return stmt
 
 
 def _upsert_insert(name: str) -> Any:
@@ -144,6 +178,70 @@ def _upsert_insert(name: str) -> Any:
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
     return sqlite_insert
+
+
+def fast_savepoints(engine: Engine) -> Engine:
+    """Make ``engine`` send SAVEPOINT, RELEASE and ROLLBACK TO as plain driver SQL; returns it.
+
+    SQLAlchemy compiles its savepoint clauses anew for every savepoint (they are not cacheable),
+    which doubles the client CPU of a savepoint; the text it sends is the same. Every command
+    handler and local step runs in a savepoint, so that is two statements per message. Dialects
+    that emit savepoints their own way are left alone. Idempotent.
+    """
+    dialect = engine.dialect
+    if getattr(dialect, "_saga_engine_fast_savepoints", False):
+        return engine
+    default = sa.engine.default.DefaultDialect
+    cls = type(dialect)
+    if any(
+        getattr(cls, name) is not getattr(default, name)
+        for name in ("do_savepoint", "do_release_savepoint", "do_rollback_to_savepoint")
+    ):
+        return engine
+    quote = dialect.identifier_preparer.quote
+
+    def do_savepoint(connection: Connection, name: str) -> None:
+        connection.exec_driver_sql(f"SAVEPOINT {quote(name)}")
+
+    def do_release_savepoint(connection: Connection, name: str) -> None:
+        connection.exec_driver_sql(f"RELEASE SAVEPOINT {quote(name)}")
+
+    def do_rollback_to_savepoint(connection: Connection, name: str) -> None:
+        connection.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {quote(name)}")
+
+    # Instance attributes shadow the class's methods for this engine's dialect only.
+    dialect.do_savepoint = do_savepoint  # type: ignore[method-assign]
+    dialect.do_release_savepoint = do_release_savepoint  # type: ignore[method-assign]
+    dialect.do_rollback_to_savepoint = do_rollback_to_savepoint  # type: ignore[method-assign]
+    dialect._saga_engine_fast_savepoints = True  # type: ignore[attr-defined]
+    return engine
+
+
+@contextlib.contextmanager
+def session_in_savepoint(conn: Connection) -> Iterator[Session]:
+    """A ``Session`` on ``conn`` whose work is one savepoint of ``conn``'s transaction.
+
+    The savepoint is released when the block ends and rolled back when it raises; the exception
+    goes on. The savepoint is taken on the Connection and the Session only joins it
+    (``rollback_only``): a ``session.rollback()`` rolls back the savepoint, never the caller's
+    transaction, and a ``session.commit()`` flushes without releasing it. That is what a handler
+    saw when the Session made the savepoint itself, for a fraction of the client CPU.
+    """
+    from sqlalchemy.orm import Session
+
+    savepoint = conn.begin_nested()
+    session = Session(bind=conn, join_transaction_mode="rollback_only")
+    try:
+        yield session
+        session.commit()  # flushes pending ORM changes into the savepoint
+    except BaseException:
+        session.close()
+        if savepoint.is_active:  # a failed flush or the block's own rollback() may have done it
+            savepoint.rollback()
+        raise
+    session.close()
+    if savepoint.is_active:
+        savepoint.commit()
 
 
 def connection_of(tx: Any) -> Connection:

@@ -22,9 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
-from sqlalchemy.orm import Session
 
-from saga_engine import clock, errors, ids, store
+from saga_engine import clock, db, errors, ids, store
 from saga_engine.definition import Action, Invoke, Local, OnTimeout, Saga, Step, StepKind
 from saga_engine.machine import (
     COMPENSATED,
@@ -370,13 +369,8 @@ class _Run:
         data = self.data()
         token = CURRENT_SAGA.set(self.instance.id)
         try:
-            with Session(bind=self.conn, join_transaction_mode="create_savepoint") as session:
-                try:
-                    result = action.action(data, session)
-                    session.commit()
-                except BaseException:
-                    session.rollback()
-                    raise
+            with db.session_in_savepoint(self.conn) as session:
+                result = action.action(data, session)
         finally:
             CURRENT_SAGA.reset(token)
         self.set_data(result if isinstance(result, BaseModel) else data)

@@ -24,7 +24,7 @@ import sqlalchemy as sa
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from saga_engine import clock, deadletter, errors
+from saga_engine import clock, db, deadletter, errors
 from saga_engine.messages import Envelope, Message
 from saga_engine.outbox.writer import OutboxWriter
 
@@ -117,17 +117,14 @@ class ParticipantService:
             self.reply(conn, envelope, None, str(error))
             return
         handler = self.participant.handlers[envelope.message_type]
-        with Session(bind=conn, join_transaction_mode="create_savepoint") as session:
-            try:
+        try:
+            # The savepoint is what a rejection rolls back: the inbox record and the failure
+            # reply still commit with the consumer's transaction.
+            with db.session_in_savepoint(conn) as session:
                 result = handler.function(command, session)
-                session.commit()
-            except errors.Rejected as rejected:
-                session.rollback()
-                self.reply(conn, envelope, None, str(rejected))
-                return
-            except BaseException:
-                session.rollback()
-                raise
+        except errors.Rejected as rejected:
+            self.reply(conn, envelope, None, str(rejected))
+            return
         self.reply(conn, envelope, result, None)
 
     def give_up(self, conn: Connection, envelope: Envelope, error: BaseException) -> None:

@@ -10,8 +10,10 @@ version check. A stop request lets every loop finish the batch in hand.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -21,12 +23,59 @@ from saga_engine import db, errors, store, transport
 from saga_engine.app import App
 from saga_engine.consumer import MessageConsumer
 from saga_engine.outbox import cleanup
+from saga_engine.outbox.notify import OUTBOX_CHANNEL, Wakeup
 from saga_engine.outbox.relay import Relay
 from saga_engine.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 ROLES = ("orchestrator", "participants", "relay", "deadlines", "cleanup")
+
+#: The least time between the starts of two relay passes that wake-ups start. Every consumer
+#: commit (and, on PostgreSQL, every NOTIFY) wakes the relays; a pass costs a claim, a broker round
+#: trip and a mark whether it finds one row or fifty, so the commits of a few ms share one pass.
+RELAY_WAKE_INTERVAL = 0.01
+
+
+class CoalescingWakeup(Wakeup):
+    """A :class:`Wakeup` whose wake-ups start passes at most once every ``min_interval`` seconds.
+
+    A relay woken less than ``min_interval`` after its previous pass began waits out the rest, so
+    that the commits of that moment join one pass; wake-ups that arrive meanwhile are folded into
+    that same pass instead of each causing one more. A relay that has been idle longer runs at
+    once, so a lone message gains no latency.
+    """
+
+    def __init__(
+        self,
+        conninfo: str | None = None,
+        channel: str = OUTBOX_CHANNEL,
+        *,
+        min_interval: float = RELAY_WAKE_INTERVAL,
+    ) -> None:
+        super().__init__(conninfo, channel)
+        self.min_interval = min_interval
+        self._last_pass = float("-inf")
+
+    @classmethod
+    def like(cls, wakeup: Wakeup, min_interval: float = RELAY_WAKE_INTERVAL) -> CoalescingWakeup:
+        """The same wake-up (LISTEN connection and channel), coalescing."""
+        return cls(wakeup.conninfo, wakeup.channel, min_interval=min_interval)
+
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        woken = super().wait(timeout, stop)
+        if woken:
+            linger = self._last_pass + self.min_interval - time.monotonic()
+            if linger > 0:
+                if stop is None:
+                    time.sleep(linger)
+                else:
+                    woken = not stop.wait(linger)
+                # Wake-ups of the linger are covered by the pass about to claim: their commits
+                # came before it. A zero wait only clears them, so they start no extra pass.
+                super().wait(0.0)
+        self._last_pass = time.monotonic()
+        return woken
 
 
 @dataclasses.dataclass
@@ -39,6 +88,7 @@ class WorkerOptions:
     deadline_interval: float = 0.2
     cleanup_interval: float = 3600.0
     retention: timedelta = timedelta(days=7)
+    relay_wake_interval: float = RELAY_WAKE_INTERVAL
 
     def __post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)
@@ -63,6 +113,7 @@ class Worker:
         self.threads: list[threading.Thread] = []
         self.consumers: list[MessageConsumer] = []
         self.relays: list[Relay] = []
+        self.relays_by_db: dict[str, list[Relay]] = {}
         self.main_engine = self.engine(options.db_url)
         self.transport: Transport = transport.from_url(options.broker_url, engine=self.main_engine)
 
@@ -86,7 +137,7 @@ class Worker:
         if "orchestrator" in roles and self.app.sagas:
             self._consumer(
                 "orchestrator",
-                self.main_engine,
+                self.options.db_url,
                 self.app.reply_channels,
                 self.app.orchestrator.on_reply,
                 self.app.orchestrator.give_up,
@@ -96,7 +147,7 @@ class Worker:
                 service = self.app.participant_service(name)
                 self._consumer(
                     service.consumer_name,
-                    self.engine(self.participant_db(name)),
+                    self.participant_db(name),
                     [service.participant.channel],
                     service.handle,
                     service.give_up,
@@ -108,7 +159,12 @@ class Worker:
                 relay = Relay.for_database(
                     url, self.transport, self.app.relay_config, clock=self.app.clock
                 )
+                if relay.wakeup is not None:
+                    relay.wakeup = CoalescingWakeup.like(
+                        relay.wakeup, self.options.relay_wake_interval
+                    )
                 self.relays.append(relay)
+                self.relays_by_db.setdefault(url, []).append(relay)
                 self._thread(f"relay {db.redact(url)}", relay.run)
         if "deadlines" in roles and self.app.sagas:
             self._thread("deadlines", self._deadlines)
@@ -118,7 +174,7 @@ class Worker:
     def _consumer(
         self,
         name: str,
-        engine: Engine,
+        db_url: str,
         channels: list[str],
         handler: Callable[..., None],
         give_up: Callable[..., None],
@@ -127,21 +183,26 @@ class Worker:
         extra = {"dedupe_key": dedupe_key} if dedupe_key else {}
         consumer = MessageConsumer(
             name,
-            engine,
+            self.engine(db_url),
             self.transport,
             channels,
             handler,
             give_up=give_up,
             config=self.app.consumer_config,
             clock=self.app.clock,
-            on_commit=self.wake_relays,
+            on_commit=functools.partial(self.wake_relays, db_url),
             **extra,
         )
         self.consumers.append(consumer)
         self._thread(name, consumer.run)
 
-    def wake_relays(self) -> None:
-        for relay in self.relays:
+    def wake_relays(self, db_url: str | None = None) -> None:
+        """Wake the relays of ``db_url`` (all of them if None): a commit there added outbox rows.
+
+        Only a flag is set; the relays' :class:`CoalescingWakeup` decides when the pass runs.
+        """
+        relays = self.relays if db_url is None else self.relays_by_db.get(db_url, ())
+        for relay in relays:
             if relay.wakeup is not None:
                 relay.wakeup.notify()
 

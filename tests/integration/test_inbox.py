@@ -109,6 +109,22 @@ def test_inbox_records_once_per_consumer_and_counts_duplicates(
     assert count(engine, schema.inbox) == 2
 
 
+def test_a_batch_is_recorded_in_one_go_with_a_flag_per_message_in_order(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = setup(db_url, engines)
+    inbox = Inbox()
+    with engine.begin() as conn:
+        assert inbox.first_time(conn, "billing", "m-2")
+    with engine.begin() as conn:
+        # m-2 was recorded before; m-3 comes twice in the batch: new at its first place only.
+        flags = inbox.first_times(conn, "billing", ["m-3", "m-2", "m-1", "m-3"])
+    assert flags == [True, False, True, False]
+    with engine.connect() as conn:
+        assert inbox.duplicates(conn, "billing") == 2
+    assert count(engine, schema.inbox) == 3
+
+
 def test_a_duplicate_does_not_spoil_the_transaction_it_is_found_in(
     db_url: str, engines: list[object]
 ) -> None:
