@@ -55,6 +55,12 @@ def _relay(sub: Any) -> None:
     parser.add_argument("--payload-bytes", type=int, default=200)
     parser.add_argument("--partitions", type=int, default=8)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="broker ceiling and relay runs, alternated; the ratio is their median (default 3)",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="profile each relay with pyinstrument, reports in DIR"
     )
     _setup_sql(parser)
@@ -84,6 +90,7 @@ def run_relay(args: argparse.Namespace) -> int:
         per_key=args.per_key,
         payload_bytes=args.payload_bytes,
         partitions=args.partitions,
+        rounds=args.rounds,
         keep_db=args.keep_db,
         profile=_profile_dir(args.profile),
         setup_sql=tuple(args.setup_sql),

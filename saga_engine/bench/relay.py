@@ -11,6 +11,11 @@
    consumer reads the topic back and counts every message id: delivered, lost, duplicated, and
    whether each key's messages arrived in order.
 
+Steps 4 and 5 make one round, repeated ``--rounds`` times (each on reset rows, to a topic of its
+own). On a shared machine either rate moves by tens of percent from one run to the next, so the
+ratio printed is the median of the rounds' ratios, each taken from two runs seconds apart; lost,
+duplicated and reordered messages are summed over all rounds.
+
 Each phase starts its K processes first and lets them go together once connected and warm, so a
 rate is N / (time of the last acknowledgement - go); for the relays the last acknowledgement is the
 latest ``sent_at`` in the outbox. Rows stay put between phases (reset to PENDING and vacuumed), so
@@ -23,6 +28,7 @@ import collections
 import dataclasses
 import json
 import math
+import statistics
 import time
 import uuid
 from datetime import datetime
@@ -55,12 +61,16 @@ class Options:
     timeout: float = 300.0
     keep_db: bool = False
     profile: str | None = None
+    #: Times the broker ceiling and the relay run, alternately: the ratio is their median.
+    rounds: int = 3
     #: Statements run in the scratch database after writing (e.g. to try an index).
     setup_sql: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.messages, self.relays, self.batch_size, self.per_transaction) < 1:
             raise errors.ConfigurationError("--messages, --relays, --batch-size must be >= 1")
+        if not 1 <= self.rounds <= 9:
+            raise errors.ConfigurationError("--rounds must be between 1 and 9")
         if self.per_key < 1 or self.partitions < 1:
             raise errors.ConfigurationError("--per-key and --partitions must be >= 1")
 
@@ -89,7 +99,9 @@ class Bench:
         self.engine = engine
         self.broker = broker
         run_id = uuid.uuid4().hex[:8]
-        self.topic = f"bench.relay.{run_id}"
+        #: One topic per round (names of one length: every round's messages have the same bytes).
+        self.topics = [f"bench.relay.{run_id}.r{i}" for i in range(options.rounds)]
+        self.topic = self.topics[0]
         self.raw_topic = f"bench.relay.{run_id}.raw"
 
     def run(self) -> bool:
@@ -106,16 +118,27 @@ class Bench:
         ceiling_db = self._db_ceiling()
         self._reset()
         null_relay = self._relay_phase("null_relay", broker=None)
-        self._reset()
-        raw = self._raw_producer("raw_producer", o.relays)
-        raw_one = self._raw_producer("raw_producer_1", 1) if o.relays > 1 else raw
-        relay = self._relay_phase("relay", broker=self.broker.url)
-        healthy = self._verify()
-        report.section("ratios")
-        ratio = report.ratio(
-            "relay_vs_raw_producer", relay, raw, f"relay / raw producer ({o.relays} processes each)"
+        rounds = [self._round(i) for i in range(o.rounds)]
+        healthy = self._totals(rounds)
+        relay, raw, raw_one = (statistics.median(r[k] for r in rounds) for k in _ROUND_RATES)
+        report.section(f"ratios (medians of {o.rounds} round(s))")
+        report.figure("relay_rate", relay, "relay rate", "msg/s")
+        report.figure(
+            "raw_producer_rate", raw, f"raw producer rate ({o.relays} processes)", "msg/s"
         )
-        report.ratio("relay_vs_raw_producer_1", relay, raw_one, "relay / raw producer (1 process)")
+        report.figure("raw_producer_1_rate", raw_one, "raw producer rate (1 process)", "msg/s")
+        ratio = report.figure(
+            "relay_vs_raw_producer",
+            statistics.median(r["relay"] / r["raw"] for r in rounds),
+            f"relay / raw producer ({o.relays} processes each)",
+            "x",
+        )
+        report.figure(
+            "relay_vs_raw_producer_1",
+            statistics.median(r["relay"] / r["raw_one"] for r in rounds),
+            "relay / raw producer (1 process)",
+            "x",
+        )
         report.ratio("relay_vs_db_ceiling", relay, ceiling_db, "relay / database claim-and-mark")
         report.ratio("relay_vs_null_relay", relay, null_relay, "relay / relay without broker")
         report.ratio(
@@ -128,12 +151,47 @@ class Bench:
 
     # -- phases -------------------------------------------------------------------------------
 
+    def _round(self, index: int) -> dict[str, Any]:
+        """The broker ceiling and then the relay, on freshly reset rows bound for this round's
+        topic; the round's rates and what its read-back found."""
+        o, topic = self.o, self.topics[index]
+        self.report.section(f"round {index + 1} of {o.rounds}: topic {topic}")
+        self._reset(destination=topic)
+        raw = self._raw_producer("raw_producer", o.relays)
+        raw_one = self._raw_producer("raw_producer_1", 1) if o.relays > 1 else raw
+        relay = self._relay_phase("relay", broker=self.broker.url, topic=topic)
+        lost, duplicates, order_violations = self._verify(topic)
+        self.report.ratio("round_ratio", relay, raw, "this round: relay / raw producer")
+        return {
+            "relay": relay,
+            "raw": raw,
+            "raw_one": raw_one,
+            "lost": lost,
+            "duplicates": duplicates,
+            "order_violations": order_violations,
+        }
+
+    def _totals(self, rounds: list[dict[str, Any]]) -> bool:
+        """Lost, duplicated and reordered messages over all rounds; True when all are zero."""
+        report = self.report
+        report.section(f"read-back over {len(rounds)} round(s)")
+        report.data["rounds"] = rounds
+        totals = {
+            key: report.figure(key, sum(r[key] for r in rounds), label)
+            for key, label in (
+                ("lost", "lost"),
+                ("duplicates", "duplicates"),
+                ("order_violations", "per-key order violations"),
+            )
+        }
+        return not any(totals.values())
+
     def _create_topics(self) -> None:
         from saga_engine.transport.kafka import KafkaTransport
 
         kafka = KafkaTransport([self.broker.bootstrap], partitions=self.o.partitions)
         try:
-            kafka.ensure_channels([self.topic, self.raw_topic])
+            kafka.ensure_channels([*self.topics, self.raw_topic])
         finally:
             kafka.close()
 
@@ -174,7 +232,7 @@ class Bench:
         run = self._phase("claim_mark", [spec] * self.o.relays)
         return self._rates_from_outbox("db_claim_mark", run)
 
-    def _relay_phase(self, key: str, broker: str | None) -> float:
+    def _relay_phase(self, key: str, broker: str | None, topic: str | None = None) -> float:
         o = self.o
         title = "the engine's relay to Kafka" if broker else "the engine's relay, null transport"
         self.report.section(f"{'5' if broker else '3'}. {title}")
@@ -184,7 +242,7 @@ class Bench:
                 "broker": broker,
                 "batch_size": o.batch_size,
                 "poll_interval": 0.5,
-                "warmup_topic": self.topic if broker else None,
+                "warmup_topic": topic if broker else None,
                 "profile": f"{o.profile}/{key}-{i}.txt" if o.profile else None,
             }
             for i in range(o.relays)
@@ -261,7 +319,8 @@ class Bench:
             self.report.figure(f"{key}_broker_cpu_s", run.broker_cpu, "CPU of the broker", "s")
         self.report.figure(f"{key}_machine_busy", 100 * run.busy, "machine CPU busy", "%")
 
-    def _reset(self) -> None:
+    def _reset(self, destination: str | None = None) -> None:
+        extra = {} if destination is None else {"destination": destination}
         with self.engine.begin() as conn:
             conn.execute(
                 sa.update(t).values(
@@ -269,22 +328,24 @@ class Bench:
                     sent_at=None,
                     claimed_by=None,
                     lease_until=None,
+                    **extra,
                 )
             )
         env.vacuum(self.engine, t.name)
 
     # -- verification -----------------------------------------------------------------------
 
-    def _verify(self) -> bool:
+    def _verify(self, topic: str) -> tuple[int, int, int]:
+        """Read ``topic`` back; this round's lost, duplicated and reordered messages."""
         report = self.report
         report.section("consumer: read the topic back, count by message id")
         with self.engine.connect() as conn:
             ids = dict(conn.execute(sa.select(t.c.message_id, t.c.id)).all())
-        counts, order_violations, foreign = self._consume(ids)
+        counts, order_violations, foreign = self._consume(topic, ids)
         missing = [m for m in ids if not counts[m]]
         report.figure("first_read_missing", len(missing), "missing after the first read")
         if missing:
-            counts, order_violations, foreign = self._reread(ids, missing, counts)
+            counts, order_violations, foreign = self._reread(topic, ids, missing, counts)
         delivered = sum(1 for m in ids if counts[m])
         lost = report.figure("lost", len(ids) - delivered, "lost")
         dups = report.figure(
@@ -293,10 +354,14 @@ class Bench:
         report.figure("delivered", delivered, "delivered (distinct message ids)")
         report.figure("order_violations", order_violations, "per-key order violations")
         report.figure("foreign", foreign, "other records on the topic (warm-ups)")
-        return lost == 0 and dups == 0 and order_violations == 0
+        return lost, dups, order_violations
 
     def _reread(
-        self, ids: dict[str, int], missing: list[str], first: collections.Counter[str]
+        self,
+        topic: str,
+        ids: dict[str, int],
+        missing: list[str],
+        first: collections.Counter[str],
     ) -> tuple[collections.Counter[str], int, int]:
         """Read the topic once more with a fresh consumer, and say where the missing rows stand:
         a message the second read finds was on the topic all along (the first read stopped
@@ -309,13 +374,15 @@ class Bench:
             ).all()
         shown = ", ".join(f"{status}: {n}" for status, n in statuses)
         self.report.note(f"{len(missing)} message ids missing after the first read ({shown})")
-        second = self._consume(ids)
+        second = self._consume(topic, ids)
         found = sum(1 for m in missing if second[0][m])
         self.report.note(f"a second read with a fresh consumer found {found} of them")
         merged = first | second[0]  # per id the larger count: a read never invents a record
         return merged, second[1], second[2]
 
-    def _consume(self, ids: dict[str, int]) -> tuple[collections.Counter[str], int, int]:
+    def _consume(
+        self, topic: str, ids: dict[str, int]
+    ) -> tuple[collections.Counter[str], int, int]:
         kafka: Any = env.kafka_module()
         consumer = kafka.KafkaConsumer(
             bootstrap_servers=[self.broker.bootstrap],
@@ -325,8 +392,8 @@ class Bench:
         )
         try:
             partitions = [
-                kafka.TopicPartition(self.topic, p)
-                for p in sorted(consumer.partitions_for_topic(self.topic) or ())
+                kafka.TopicPartition(topic, p)
+                for p in sorted(consumer.partitions_for_topic(topic) or ())
             ]
             consumer.assign(partitions)
             consumer.seek_to_beginning(*partitions)
@@ -357,6 +424,10 @@ def _count(consumer: Any, ids: dict[str, int]) -> tuple[collections.Counter[str]
                     order_violations += 1
                 last_of_key[record.key] = max(row_id, last_of_key.get(record.key, -1))
     return counts, order_violations, foreign
+
+
+#: The rates each round measures, in the order ``run`` takes their medians.
+_ROUND_RATES = ("relay", "raw", "raw_one")
 
 
 def _crc32c() -> str:

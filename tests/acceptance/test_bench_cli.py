@@ -38,6 +38,9 @@ def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path:
     assert figures["duplicates"] == 0
     assert figures["delivered"] == 300
     assert figures["order_violations"] == 0
+    rounds = figures["rounds"]  # the ceiling and the relay, alternated; every round read back
+    assert len(rounds) == 3
+    assert all(r["lost"] == r["duplicates"] == 0 and r["relay"] > 0 for r in rounds)
     for rate in ("db_claim_mark_rate", "null_relay_rate", "raw_producer_rate", "relay_rate"):
         assert figures[rate] > 0, rate
     assert "relay_vs_raw_producer" in figures
