@@ -61,6 +61,11 @@ def _relay(sub: Any) -> None:
         help="broker ceiling and relay runs, alternated; the ratio is their median (default 3)",
     )
     parser.add_argument(
+        "--log-acks",
+        action="store_true",
+        help="log the offsets of every acknowledged batch, to explain a loss (costs relay CPU)",
+    )
+    parser.add_argument(
         "--profile", metavar="DIR", help="profile each relay with pyinstrument, reports in DIR"
     )
     _setup_sql(parser)
@@ -91,6 +96,7 @@ def run_relay(args: argparse.Namespace) -> int:
         payload_bytes=args.payload_bytes,
         partitions=args.partitions,
         rounds=args.rounds,
+        log_acks=args.log_acks,
         keep_db=args.keep_db,
         profile=_profile_dir(args.profile),
         setup_sql=tuple(args.setup_sql),

@@ -211,6 +211,8 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     broker = transport.from_url(spec["broker"]) if spec.get("broker") else NullTransport()
     if spec.get("warmup_topic"):
         warm_up(broker, spec["warmup_topic"])
+    if spec.get("ack_log"):
+        log_acks(spec["ack_log"])
     wakeup = Wakeup.for_engine(engine) if spec.get("notify", True) else None
     relay = Relay(engine, broker, config, wakeup=wakeup)
     ready()
@@ -227,6 +229,19 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     broker.close()
     engine.dispose()
     return {**dataclasses.asdict(relay.stats), "cpu_s": cpu}
+
+
+def log_acks(path: str) -> None:
+    """Append the Kafka batch producer's acknowledgements (one JSON line each) to ``path``."""
+    import logging
+
+    from saga_engine.transport.kafka_batch import ack_log
+
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    ack_log.addHandler(handler)
+    ack_log.setLevel(logging.DEBUG)
+    ack_log.propagate = False
 
 
 def warm_up(broker: Any, topic: str) -> None:

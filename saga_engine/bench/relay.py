@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import math
+import shutil
 import statistics
+import tempfile
 import time
 import uuid
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -63,6 +67,9 @@ class Options:
     profile: str | None = None
     #: Times the broker ceiling and the relay run, alternately: the ratio is their median.
     rounds: int = 3
+    #: The relays log every acknowledged record batch (its offsets), so that a loss can be traced
+    #: to where the broker said the messages went. Costs relay CPU: off for measuring.
+    log_acks: bool = False
     #: Statements run in the scratch database after writing (e.g. to try an index).
     setup_sql: tuple[str, ...] = ()
 
@@ -86,7 +93,11 @@ class PhaseRun:
 def run(options: Options, report: Report) -> bool:
     """Run every phase; True when nothing was lost, duplicated or reordered."""
     with env.world(options.db, options.broker, keep_db=options.keep_db) as (url, engine, broker):
-        return Bench(options, report, url, engine, broker).run()
+        bench = Bench(options, report, url, engine, broker)
+        try:
+            return bench.run()
+        finally:
+            shutil.rmtree(bench.ack_dir, ignore_errors=True)
 
 
 class Bench:
@@ -103,6 +114,8 @@ class Bench:
         self.topics = [f"bench.relay.{run_id}.r{i}" for i in range(options.rounds)]
         self.topic = self.topics[0]
         self.raw_topic = f"bench.relay.{run_id}.raw"
+        #: The relays' acknowledgement logs, read only to explain a loss.
+        self.ack_dir = Path(tempfile.mkdtemp(prefix="saga-bench-acks-"))
 
     def run(self) -> bool:
         o, report = self.o, self.report
@@ -243,6 +256,7 @@ class Bench:
                 "batch_size": o.batch_size,
                 "poll_interval": 0.5,
                 "warmup_topic": topic if broker else None,
+                "ack_log": str(self.ack_dir / f"acks-{i}.jsonl") if broker and o.log_acks else None,
                 "profile": f"{o.profile}/{key}-{i}.txt" if o.profile else None,
             }
             for i in range(o.relays)
@@ -341,7 +355,15 @@ class Bench:
         report.section("consumer: read the topic back, count by message id")
         with self.engine.connect() as conn:
             ids = dict(conn.execute(sa.select(t.c.message_id, t.c.id)).all())
-        counts, order_violations, foreign = self._consume(topic, ids)
+        where: dict[tuple[int, int], str] | None = {} if self.o.log_acks else None
+        counts, order_violations, foreign = self._consume(topic, ids, where)
+        if where is not None:
+            acked, _ = self._acks(topic)
+            report.figure(
+                "acked_where_read",
+                sum(1 for m, at in acked.items() if where.get(at) == m),
+                "acknowledged messages read back at their acknowledged offset",
+            )
         missing = [m for m in ids if not counts[m]]
         report.figure("first_read_missing", len(missing), "missing after the first read")
         if missing:
@@ -374,14 +396,73 @@ class Bench:
             ).all()
         shown = ", ".join(f"{status}: {n}" for status, n in statuses)
         self.report.note(f"{len(missing)} message ids missing after the first read ({shown})")
-        second = self._consume(topic, ids)
+        where: dict[tuple[int, int], str] = {}
+        second = self._consume(topic, ids, where)
         found = sum(1 for m in missing if second[0][m])
         self.report.note(f"a second read with a fresh consumer found {found} of them")
+        self._explain(topic, [m for m in missing if not second[0][m]], where)
         merged = first | second[0]  # per id the larger count: a read never invents a record
         return merged, second[1], second[2]
 
+    def _explain(self, topic: str, lost: list[str], where: dict[tuple[int, int], str]) -> None:
+        """Where the broker said each lost message went, from the relays' acknowledgement logs
+        (partition and offset of every acknowledged record batch), against what it serves."""
+        if not self.o.log_acks:
+            self.report.note("run with --log-acks to see where the broker put them")
+            return
+        acked, overlaps = self._acks(topic)
+        kinds: collections.Counter[str] = collections.Counter()
+        last_read: dict[int, int] = {}
+        for p, o in where:
+            last_read[p] = max(last_read.get(p, -1), o)
+        for message_id in lost:
+            if message_id not in acked:
+                kinds["never acknowledged by the broker"] += 1
+                continue
+            at = acked[message_id]
+            if at in where:
+                kinds["its offset holds another record"] += 1
+            elif at[1] > last_read.get(at[0], -1):
+                kinds["acknowledged past the last offset the broker serves"] += 1
+            else:
+                kinds["acknowledged at an offset the broker skips"] += 1
+        self.report.note(f"acknowledged batches given overlapping offsets: {overlaps}")
+        for partition in sorted({acked[m][0] for m in lost if m in acked}):
+            read = sorted(o for p, o in where if p == partition)
+            gaps = [(a + 1, b - 1) for a, b in itertools.pairwise(read) if b != a + 1]
+            offsets = sorted(acked[m][1] for m in lost if m in acked and acked[m][0] == partition)
+            self.report.note(
+                f"partition {partition}: lost messages acknowledged at offsets {offsets[0]}-"
+                f"{offsets[-1]}; read offsets {read[0] if read else '-'}-{read[-1] if read else '-'}"
+                f" ({len(read)} records), missing ranges {gaps[:5]}"
+            )
+        for kind, n in kinds.most_common():
+            self.report.note(f"lost, {kind}: {n}")
+
+    def _acks(self, topic: str) -> tuple[dict[str, tuple[int, int]], int]:
+        """From the relays' acknowledgement logs: (partition, offset) the broker gave each message
+        of ``topic``, and how many acknowledged batches overlap an earlier one's offsets."""
+        acked: dict[str, tuple[int, int]] = {}
+        ranges: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        for path in sorted(self.ack_dir.glob("acks-*.jsonl")):
+            for line in path.read_text().splitlines():
+                ack = json.loads(line)
+                if ack["topic"] != topic:
+                    continue
+                base, count = ack["base_offset"], len(ack["ids"])
+                ranges[ack["partition"]].append((base, base + count))
+                for i, message_id in enumerate(ack["ids"]):
+                    acked.setdefault(message_id, (ack["partition"], base + i))
+        overlaps = sum(
+            1
+            for spans in ranges.values()
+            for (_, end), (start, _) in itertools.pairwise(sorted(spans))
+            if start < end
+        )
+        return acked, overlaps
+
     def _consume(
-        self, topic: str, ids: dict[str, int]
+        self, topic: str, ids: dict[str, int], where: dict[tuple[int, int], str] | None = None
     ) -> tuple[collections.Counter[str], int, int]:
         kafka: Any = env.kafka_module()
         consumer = kafka.KafkaConsumer(
@@ -396,13 +477,20 @@ class Bench:
                 for p in sorted(consumer.partitions_for_topic(topic) or ())
             ]
             consumer.assign(partitions)
-            consumer.seek_to_beginning(*partitions)
-            return _count(consumer, ids)
+            # Offset 0, not seek_to_beginning: the topic is new, and tansu has answered "earliest"
+            # with the offset after a partition's first record batch, which hid that batch.
+            for partition in partitions:
+                consumer.seek(partition, 0)
+            return _count(consumer, ids, where)
         finally:
             consumer.close()
 
 
-def _count(consumer: Any, ids: dict[str, int]) -> tuple[collections.Counter[str], int, int]:
+def _count(
+    consumer: Any, ids: dict[str, int], where: dict[tuple[int, int], str] | None = None
+) -> tuple[collections.Counter[str], int, int]:
+    """Count ``ids`` on the assigned partitions; ``where`` (if given) gets the message id found at
+    each (partition, offset)."""
     counts: collections.Counter[str] = collections.Counter()
     last_of_key: dict[bytes, int] = {}
     seen = order_violations = foreign = 0
@@ -414,6 +502,8 @@ def _count(consumer: Any, ids: dict[str, int]) -> tuple[collections.Counter[str]
         for records in batches.values():
             for record in records:
                 message_id = json.loads(record.value).get("message_id", "")
+                if where is not None:
+                    where[record.partition, record.offset] = message_id
                 row_id = ids.get(message_id)
                 if row_id is None:
                     foreign += 1

@@ -25,6 +25,8 @@ there is no background thread to leak or to retry behind the relay's back.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import struct
 import time
 import warnings
@@ -40,6 +42,10 @@ with warnings.catch_warnings():
     from kafka.protocol.producer import ProduceRequest
     from kafka.record.memory_records import MemoryRecordsBuilder
     from kafka.structs import TopicPartition
+
+#: At DEBUG, one JSON line per acknowledged record batch: topic, partition, the base offset the
+#: broker assigned and the message ids in offset order (``bench relay`` checks a broker with it).
+ack_log = logging.getLogger(__name__ + ".acks")
 
 #: A record batch stays below Kafka's default message.max.bytes (1 MiB) with room to spare.
 MAX_BATCH_BYTES = 512 * 1024
@@ -115,6 +121,7 @@ class BatchProducer:
         bootstrap_timeout_ms: int,
     ) -> None:
         self.request_timeout_ms = request_timeout_ms
+        self._message_ids: list[str] = []  # of the call in hand, only while acks are logged
         self._client: Any = KafkaNetClient(
             bootstrap_servers=list(bootstrap_servers),
             client_id=client_id,
@@ -131,6 +138,9 @@ class BatchProducer:
     def publish(self, messages: Sequence[OutgoingMessage], deadline: float) -> list[PublishResult]:
         """Publish ``messages`` and wait until ``deadline`` (``time.monotonic``) for the acks."""
         results: list[PublishResult | None] = [None] * len(messages)
+        self._message_ids = (
+            [m.message_id for m in messages] if ack_log.isEnabledFor(logging.DEBUG) else []
+        )
         rounds = self._chunks(messages, deadline, results)
         for chunks in _rounds(rounds):
             outcomes = self._send_round(chunks, deadline)
@@ -256,7 +266,27 @@ class BatchProducer:
             for part in topic.partition_responses
         }
         missing = _Outcome.down("the broker's response left this partition out")
+        if ack_log.isEnabledFor(logging.DEBUG):
+            _log_acks(future.value, chunks, self._message_ids)
         return {c.partition: answers.get(c.partition, missing) for c in chunks}
+
+
+def _log_acks(response: Any, chunks: list[_Chunk], message_ids: Sequence[str]) -> None:
+    bases = {
+        TopicPartition(topic.name, part.index): part.base_offset
+        for topic in response.responses
+        for part in topic.partition_responses
+        if part.error_code == 0
+    }
+    for chunk in chunks:
+        if chunk.partition in bases:
+            line = {
+                "topic": chunk.partition.topic,
+                "partition": chunk.partition.partition,
+                "base_offset": bases[chunk.partition],
+                "ids": [message_ids[i] for i in chunk.indexes],
+            }
+            ack_log.debug("%s", json.dumps(line))
 
 
 def _size_check(message: OutgoingMessage) -> _Outcome | None:

@@ -21,7 +21,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
 
 def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path: Path) -> None:
-    sizes = ["--messages", "300", "--relays", "2", "--batch-size", "100"]
+    # --log-acks: should anything go missing, the output says where the broker said it put it.
+    sizes = ["--messages", "300", "--relays", "2", "--batch-size", "100", "--log-acks"]
     result = subprocess.run(
         [*COMMAND, "bench", "relay", "--db", pg_url, "--broker", kafka_url, *sizes, "--json"],
         cwd=tmp_path,
@@ -30,9 +31,10 @@ def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path:
         timeout=240,
         check=False,
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "relay"
+    assert figures["acked_where_read"] == 300  # every ack's offset holds its message
     assert figures["messages"] == 300
     assert figures["lost"] == 0
     assert figures["duplicates"] == 0

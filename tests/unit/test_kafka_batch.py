@@ -1,9 +1,11 @@
-"""The batch producer's pure parts: the partitioner and the record-size refusal."""
+"""The batch producer's pure parts: the partitioner, the record-size refusal, the ack log."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -48,3 +50,34 @@ def test_a_record_larger_than_a_produce_request_is_refused_before_sending() -> N
     refusal = _size_check(large)
     assert refusal is not None and not refusal.ok and not refusal.unreachable
     assert "MessageSizeTooLarge" in str(refusal.error)
+
+
+def test_acknowledged_batches_are_logged_with_their_offsets_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The line ``bench relay --log-acks`` reads: the broker's base offset, ids in offset order."""
+    from types import SimpleNamespace
+
+    from kafka.structs import TopicPartition
+
+    from saga_engine.transport import kafka_batch
+
+    response_double = SimpleNamespace(
+        responses=[
+            SimpleNamespace(
+                name="t",
+                partition_responses=[
+                    SimpleNamespace(index=0, error_code=0, base_offset=5),
+                    SimpleNamespace(index=1, error_code=6, base_offset=-1),  # refused: not logged
+                ],
+            )
+        ]
+    )
+    chunks = [
+        kafka_batch._Chunk(TopicPartition("t", 0), [2, 0], b""),
+        kafka_batch._Chunk(TopicPartition("t", 1), [1], b""),
+    ]
+    with caplog.at_level("DEBUG", logger=kafka_batch.ack_log.name):
+        kafka_batch._log_acks(response_double, chunks, ["a", "b", "c"])
+    lines = [json.loads(r.getMessage()) for r in caplog.records]
+    assert lines == [{"topic": "t", "partition": 0, "base_offset": 5, "ids": ["c", "a"]}]
