@@ -383,6 +383,7 @@ class Simulation:
                 self.app.participants[name], writer=self.app.writer, clock=self.clock
             ),
             relay_transport=lambda inner: _FaultyBroker(inner, self.injector),
+            seed=schedule.seed,
         )
         self.starter = start or (lambda app, conn, item: app.start(conn, self.saga, item))
         self.saga_ids = [self._start(item) for item in data]
