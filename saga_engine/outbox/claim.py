@@ -115,7 +115,9 @@ _TOKEN = sa.bindparam("token", type_=t.c.claimed_by.type)
 _LEASE_UNTIL = sa.bindparam("new_lease_until", type_=t.c.lease_until.type)
 
 
-def not_behind_backoff(now: datetime | sa.BindParameter[datetime]) -> sa.ColumnElement[bool]:
+def not_behind_backoff(
+    now: datetime | sa.BindParameter[datetime], *, row_compare: bool = False
+) -> sa.ColumnElement[bool]:
     """The row's key has no row waiting in retry backoff.
 
     Rows queued behind a failed message could only be held back by the order guard, yet they come
@@ -123,8 +125,19 @@ def not_behind_backoff(now: datetime | sa.BindParameter[datetime]) -> sa.ColumnE
     succeeds. Normally the row in backoff is its key's earliest unsent one (the guard saw to it),
     so the whole key waits. Uncorrelated on purpose: PostgreSQL hashes this NOT IN, where a
     correlated NOT EXISTS was planned as a nested loop, quadratic on a table without statistics.
+
+    With ``row_compare`` (PostgreSQL) the lookup says ``(status, next_retry_at) > (0, now)``.
+    PostgreSQL leaves ``status = 0`` out of the index condition, because the partial index's
+    predicate already implies it; ``next_retry_at > now`` alone does not bound the index's leading
+    column, so every claim read the whole index of PENDING rows (2.0 ms per claim with 30,000
+    rows pending). The row comparison starts the scan at the first row in backoff (0.55 ms).
     """
-    in_backoff = sa.select(t.c.partition_key).where(IS_PENDING, t.c.next_retry_at > now)
+    if row_compare:
+        status = sa.literal_column(str(int(PENDING)), sa.SmallInteger())
+        later = sa.tuple_(t.c.status, t.c.next_retry_at) > sa.tuple_(status, now)
+    else:
+        later = t.c.next_retry_at > now
+    in_backoff = sa.select(t.c.partition_key).where(IS_PENDING, later)
     return t.c.partition_key.not_in(in_backoff)
 
 
@@ -151,7 +164,7 @@ class Statements:
     @classmethod
     def build(cls, *, array: bool) -> Statements:
         free = sa.or_(t.c.lease_until.is_(None), t.c.lease_until < _NOW)
-        due = (IS_PENDING, t.c.next_retry_at <= _NOW, not_behind_backoff(_NOW))
+        due = (IS_PENDING, t.c.next_retry_at <= _NOW, not_behind_backoff(_NOW, row_compare=array))
         id_in = in_list(t.c.id, "ids", array=array)
         return cls(
             claim=sa.select(*ROW_COLUMNS)

@@ -254,3 +254,44 @@ def test_the_writer_honours_a_schema_translate_map(pg_url: str) -> None:
             assert conn.scalar(sa.text("SELECT count(*) FROM public.outbox_messages")) == 0
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_the_backoff_lookup_of_a_claim_does_not_read_every_pending_row(pg_url: str) -> None:
+    """The claim's lookup of keys in retry backoff seeks to the first such row in the partial
+    index; with ``next_retry_at > now`` alone PostgreSQL read the whole index on every claim."""
+    engine = db.create_engine(pg_url)
+    try:
+        write(engine, [envelope(f"k{i}") for i in range(20_000)])
+        now = START + timedelta(seconds=1)
+        with engine.begin() as conn:
+            conn.execute(sa.text("ANALYZE outbox_messages"))
+            conn.execute(  # one key in backoff, so the lookup has a row to find
+                sa.update(t).where(t.c.partition_key == "k7").values(next_retry_at=START + HOUR)
+            )
+            sql = claims.statements(conn).claim.compile(dialect=conn.dialect)
+            [[plan]] = conn.exec_driver_sql(
+                f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}",
+                {"now": now, "limit": 500},
+            ).all()
+        lookup = subplan_scan(plan[0]["Plan"])
+        assert lookup["Index Name"] == "ix_outbox_messages_status_next_retry_at_id"
+        assert lookup["Actual Rows"] == 1
+        # The whole index of 20,000 PENDING rows spans about 80 pages; a seek reads a handful.
+        assert lookup["Shared Hit Blocks"] + lookup["Shared Read Blocks"] < 10
+    finally:
+        engine.dispose()
+
+
+HOUR = timedelta(hours=1)
+
+
+def subplan_scan(node: dict[str, Any]) -> dict[str, Any]:
+    """The plan node that scans for the backoff lookup (the claim's one subplan)."""
+    if node.get("Subplan Name", "").startswith("SubPlan"):
+        return node
+    for child in node.get("Plans", []):
+        found = subplan_scan(child)
+        if found:
+            return found
+    return {}
