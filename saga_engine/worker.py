@@ -112,10 +112,14 @@ class Worker:
         self.crashed = False
         self.threads: list[threading.Thread] = []
         self.consumers: list[MessageConsumer] = []
-        self.relays: list[Relay] = []
         self.relays_by_db: dict[str, list[Relay]] = {}
         self.main_engine = self.engine(options.db_url)
         self.transport: Transport = transport.from_url(options.broker_url, engine=self.main_engine)
+
+    @property
+    def relays(self) -> list[Relay]:
+        """Every relay of this worker, of all its databases."""
+        return [relay for relays in self.relays_by_db.values() for relay in relays]
 
     def engine(self, url: str) -> Engine:
         if url not in self.engines:
@@ -163,7 +167,6 @@ class Worker:
                     relay.wakeup = CoalescingWakeup.like(
                         relay.wakeup, self.options.relay_wake_interval
                     )
-                self.relays.append(relay)
                 self.relays_by_db.setdefault(url, []).append(relay)
                 self._thread(f"relay {db.redact(url)}", relay.run)
         if "deadlines" in roles and self.app.sagas:
@@ -274,9 +277,7 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> None:
         self.stop_event.set()
-        for relay in self.relays:
-            if relay.wakeup is not None:
-                relay.wakeup.notify()
+        self.wake_relays()  # a relay waiting for its next poll sees the stop at once
         for thread in self.threads:
             if thread.is_alive():
                 thread.join(timeout)

@@ -104,10 +104,16 @@ def in_list(column: sa.ColumnElement[Any], name: str, *, array: bool) -> sa.Colu
     return column.in_(sa.bindparam(name, expanding=True))
 
 
-#: ``status = 0`` as a literal, not a parameter: a prepared statement's generic plan (psycopg
-#: prepares a statement on its fifth execution) could not otherwise use the partial index of
-#: PENDING rows, whose predicate is this literal.
-IS_PENDING = t.c.status == sa.literal_column(str(int(PENDING)), sa.SmallInteger())
+def status_literal(status: schema.OutboxStatus) -> sa.ColumnElement[int]:
+    """``status`` as a literal in the SQL text, not a parameter.
+
+    A prepared statement's generic plan (psycopg prepares a statement on its fifth execution)
+    could not otherwise use the partial indexes of PENDING rows, whose predicate is this literal.
+    """
+    return sa.literal_column(str(int(status)), sa.SmallInteger())
+
+
+IS_PENDING = t.c.status == status_literal(PENDING)
 
 _NOW = sa.bindparam("now", type_=t.c.next_retry_at.type)
 _LIMIT = sa.bindparam("limit", type_=sa.Integer())
@@ -133,8 +139,7 @@ def not_behind_backoff(
     rows pending). The row comparison starts the scan at the first row in backoff (0.55 ms).
     """
     if row_compare:
-        status = sa.literal_column(str(int(PENDING)), sa.SmallInteger())
-        later = sa.tuple_(t.c.status, t.c.next_retry_at) > sa.tuple_(status, now)
+        later = sa.tuple_(t.c.status, t.c.next_retry_at) > sa.tuple_(status_literal(PENDING), now)
     else:
         later = t.c.next_retry_at > now
     in_backoff = sa.select(t.c.partition_key).where(IS_PENDING, later)

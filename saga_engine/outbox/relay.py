@@ -415,7 +415,7 @@ class _MarkStatements:
         released = {"claimed_by": sa.null(), "lease_until": sa.null()}
         return cls(
             sent=sent.values(
-                status=sa.literal_column(str(int(schema.OutboxStatus.SENT)), sa.SmallInteger()),
+                status=claims.status_literal(schema.OutboxStatus.SENT),
                 sent_at=now,
                 updated_at=now,
                 **released,
