@@ -249,15 +249,26 @@ class ClaimStrategy(abc.ABC):
         """A claim whose connection is in a transaction in which to mark the results."""
 
 
+#: For the claim's transaction only. psycopg prepares a statement on its fifth execution, and
+#: PostgreSQL then plans it once for any parameters: a generic plan cannot hash the 500 ids of
+#: ``id <> ALL(:ids)`` (it hashes constant arrays only) and compares each row with every id, so
+#: the order guard took 4 ms of server CPU per 500-row batch instead of 0.8, and the claim and
+#: guard together 7.6 us per message instead of 3.2. Planning every time costs 0.1-0.3 ms.
+CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
+
+
 class SkipLockedClaim(ClaimStrategy):
     name = "skip_locked"
 
     @contextlib.contextmanager
     def claim(self, engine: Engine, limit: int, now: datetime) -> Iterator[Claim]:
         with engine.connect() as conn, conn.begin():
-            if db.dialect_name(conn) == "mysql":
+            dialect = db.dialect_name(conn)
+            if dialect == "mysql":
                 # REPEATABLE READ would let the order guard read a snapshot older than the locks.
                 conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            elif dialect == "postgresql":
+                conn.exec_driver_sql(CUSTOM_PLANS)
             rows = _outbox_rows(conn.execute(statements(conn).claim, {"now": now, "limit": limit}))
             publishable = order_guard(conn, rows)
             yield Claim(conn, publishable)

@@ -190,6 +190,27 @@ def test_marks_of_a_leased_batch_skip_rows_another_relay_took(engine: sa.Engine)
     assert {s for s, _ in statuses(engine).values()} == {PENDING}
 
 
+# -- the claim's plans ----------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_a_claim_plans_its_statements_for_their_own_parameters_and_only_it(pg_url: str) -> None:
+    """psycopg prepares a statement on its fifth execution; PostgreSQL's generic plan for the
+    order guard then compared every row with every claimed id (4 ms a batch instead of 0.8)."""
+    engine = db.create_engine(pg_url, pool_size=1)
+    try:
+        write(engine, [envelope(f"k{i}") for i in range(10)])
+        with claims.SkipLockedClaim().claim(engine, 10, START + timedelta(seconds=1)) as claim:
+            mode = claim.conn.exec_driver_sql("SHOW plan_cache_mode").scalar()
+            assert mode == "force_custom_plan"
+            backend = claim.conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        with engine.connect() as conn:  # the same pooled connection, after the claim's commit
+            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() == backend
+            assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "auto"
+    finally:
+        engine.dispose()
+
+
 # -- the writer ---------------------------------------------------------------------------------
 
 
