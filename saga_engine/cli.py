@@ -164,6 +164,12 @@ def register_relay(commands: Any) -> None:
     parser.add_argument("--ack-timeout", type=float, default=5.0, metavar="SECONDS")
     parser.add_argument("--max-retries", type=int, default=10)
     parser.add_argument("--claim", default="auto", choices=["auto", "skip_locked", "optimistic"])
+    parser.add_argument(
+        "--on-sent",
+        default="mark",
+        choices=["mark", "delete"],
+        help="keep acknowledged rows as SENT until cleanup (mark), or delete them at once",
+    )
     parser.set_defaults(run=run_relay)
 
 
@@ -177,6 +183,7 @@ def relay_config(args: argparse.Namespace) -> Any:
             ack_timeout=args.ack_timeout,
             max_retries=args.max_retries,
             claim=args.claim,
+            on_sent=args.on_sent,
         )
     except ValueError as error:
         raise errors.ConfigurationError(str(error)) from None

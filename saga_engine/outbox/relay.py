@@ -2,10 +2,11 @@
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
 (one broker round trip per message of its busiest key: see ``_publish_in_key_order``), mark
-every acknowledged row SENT with one UPDATE, and give each failed row ``retry_count + 1`` and an
-exponential, jittered ``next_retry_at`` (FAILED past ``max_retries``). Nothing is marked before
-the broker acknowledged it, so a relay killed at any point loses nothing: whatever it had in flight
-is published again and the consumers' inbox absorbs the duplicate.
+every acknowledged row SENT with one UPDATE (or delete them all with one DELETE, when
+``on_sent="delete"``), and give each failed row ``retry_count + 1`` and an exponential, jittered
+``next_retry_at`` (FAILED past ``max_retries``). Nothing is marked before the broker acknowledged
+it, so a relay killed at any point loses nothing: whatever it had in flight is published again and
+the consumers' inbox absorbs the duplicate.
 
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the next poll, or a stop request, whichever comes first. Polls
@@ -38,6 +39,9 @@ from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 log = logging.getLogger(__name__)
 t = schema.outbox
 
+#: ``RelayConfig.on_sent``: keep acknowledged rows as SENT, or delete them.
+ON_SENT = ("mark", "delete")
+
 
 @dataclasses.dataclass(frozen=True)
 class RelayConfig:
@@ -54,12 +58,20 @@ class RelayConfig:
     lease_seconds: float = 30.0
     outage_backoff_cap: float = 5.0
     pool_size: int = 2
+    #: What becomes of an acknowledged row: ``"mark"`` keeps it, SENT, until cleanup deletes it
+    #: after the retention; ``"delete"`` deletes it at once (the article's "or delete the record
+    #: directly"), which costs the database a sixth as much and keeps no history (docs/outbox.md).
+    on_sent: str = "mark"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.poll_interval <= 0 or self.ack_timeout <= 0:
             raise ValueError("batch_size, poll_interval and ack_timeout must be positive")
         if self.max_retries < 1:
             raise ValueError("max_retries must be at least 1")
+        if self.on_sent not in ON_SENT:
+            raise ValueError(
+                f"unknown on_sent {self.on_sent!r}: expected one of {', '.join(ON_SENT)}"
+            )
 
     def backoff(self, retry_count: int, rng: random.Random) -> float:
         """Seconds before attempt ``retry_count + 1``: min(cap, base·2^retry), ±jitter."""
@@ -212,7 +224,8 @@ class Relay:
         marked = 0
         if sent:
             params = {"ids": sent, "now": now, "token": batch.token}
-            marked = batch.conn.execute(statements.sent, params).rowcount
+            done = statements.deleted if self.config.on_sent == "delete" else statements.sent
+            marked = batch.conn.execute(done, params).rowcount
             if marked < len(sent):
                 # Our lease ran out mid-publish and another relay owns them: it will send again.
                 log.warning("%d published rows were no longer ours to mark", len(sent) - marked)
@@ -394,24 +407,24 @@ def fixed_rate_sleep(poll_interval: float, pass_seconds: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class _MarkStatements:
-    """A batch's marks, built once: ``sent`` (parameters ``ids``, ``now``, ``token``) and
-    ``failed`` (executemany of ``_failure_values``). With a token they touch only rows the lease
-    still covers: a leased row whose lease ran out may belong to another relay by now."""
+    """A batch's marks, built once: ``sent`` or ``deleted`` (parameters ``ids``, ``now``,
+    ``token``) and ``failed`` (executemany of ``_failure_values``). With a token they touch only
+    rows the lease still covers: a leased row whose lease ran out may belong to another relay by
+    now."""
 
     sent: sa.Update
+    deleted: sa.Delete
     failed: sa.Update
 
     @classmethod
     def build(cls, *, array: bool, owned: bool) -> _MarkStatements:
         now = sa.bindparam("now", type_=t.c.sent_at.type)
-        sent = sa.update(t).where(claims.in_list(t.c.id, "ids", array=array))
+        ids = claims.in_list(t.c.id, "ids", array=array)
+        sent, deleted = sa.update(t).where(ids), sa.delete(t).where(ids)
         failed = sa.update(t).where(t.c.id == sa.bindparam("row_id"))
         if owned:
-            token = sa.bindparam("token", type_=t.c.claimed_by.type)
-            sent, failed = (
-                sent.where(t.c.claimed_by == token),
-                failed.where(t.c.claimed_by == token),
-            )
+            mine = t.c.claimed_by == sa.bindparam("token", type_=t.c.claimed_by.type)
+            sent, deleted, failed = sent.where(mine), deleted.where(mine), failed.where(mine)
         released = {"claimed_by": sa.null(), "lease_until": sa.null()}
         return cls(
             sent=sent.values(
@@ -420,6 +433,9 @@ class _MarkStatements:
                 updated_at=now,
                 **released,
             ),
+            # A DELETE only stamps each row dead: no new row version, and no new entry in each of
+            # the table's full indexes (7.8 -> 0.9 us of server CPU per message).
+            deleted=deleted,
             failed=failed.values(
                 status=sa.bindparam("new_status"),
                 retry_count=sa.bindparam("new_retry_count"),

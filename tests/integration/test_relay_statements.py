@@ -190,6 +190,46 @@ def test_marks_of_a_leased_batch_skip_rows_another_relay_took(engine: sa.Engine)
     assert {s for s, _ in statuses(engine).values()} == {PENDING}
 
 
+# -- on_sent="delete": acknowledged rows go at once ------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["auto", "optimistic"])
+def test_on_sent_delete_deletes_the_acknowledged_rows_and_keeps_the_failed(
+    engine: sa.Engine, strategy: str
+) -> None:
+    messages = write(engine, [envelope("a", 0), envelope("a", 1), envelope("b"), envelope("c")])
+    failing = messages[2].message_id
+    config = RelayConfig(claim=strategy, on_sent="delete", backoff_base=60)
+    clock = ClockDouble(START + timedelta(seconds=1))
+    relay = Relay(engine, FailingTransportDouble({failing}), config, clock=clock)
+    log = StatementLog(engine)
+    assert relay.run_once() == BatchOutcome(published=3, retried=1, failed=0, claimed=4)
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(t.c.message_id, t.c.status, t.c.retry_count)).all()
+    assert left == [(failing, PENDING, 1)]  # in backoff, for the next attempt
+    ((delete_sql, params),) = log.matching("DELETE FROM outbox_messages")
+    if is_postgres(engine):
+        assert "id = ANY (" in delete_sql and len(params["ids"]) == 3
+    else:
+        assert "id IN (" in delete_sql
+    assert not log.matching("SET status=1")
+
+
+def test_on_sent_delete_of_a_leased_batch_spares_rows_another_relay_took(
+    engine: sa.Engine,
+) -> None:
+    write(engine, [envelope(f"k{i}") for i in range(3)])
+    strategy = claims.OptimisticClaim(timedelta(seconds=30))
+    with strategy.claim(engine, 10, START + timedelta(seconds=1)) as claim:
+        with engine.begin() as conn:  # the lease ran out and another relay leased the rows
+            conn.execute(sa.update(t).values(claimed_by="thief"))
+        config = RelayConfig(claim="optimistic", on_sent="delete")
+        relay = Relay(engine, MemoryTransport(), config)
+        results = [PublishResult(r.message_id) for r in claim.rows]
+        assert relay._mark(claim, results).published == 0
+    assert sorted(s for s, _ in statuses(engine).values()) == [PENDING] * 3
+
+
 # -- the claim's plans ----------------------------------------------------------------------
 
 

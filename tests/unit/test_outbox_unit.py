@@ -82,7 +82,13 @@ def test_backoff_survives_absurd_retry_counts() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"batch_size": 0}, {"poll_interval": 0}, {"ack_timeout": -1}, {"max_retries": 0}],
+    [
+        {"batch_size": 0},
+        {"poll_interval": 0},
+        {"ack_timeout": -1},
+        {"max_retries": 0},
+        {"on_sent": "archive"},
+    ],
 )
 def test_relay_config_rejects_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
