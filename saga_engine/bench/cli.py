@@ -68,6 +68,12 @@ def _relay(sub: Any) -> None:
     parser.add_argument(
         "--profile", metavar="DIR", help="profile each relay with pyinstrument, reports in DIR"
     )
+    parser.add_argument(
+        "--on-sent",
+        default="mark",
+        choices=["mark", "delete"],
+        help="what the relay does with acknowledged rows (RelayConfig.on_sent; default mark)",
+    )
     _setup_sql(parser)
     parser.set_defaults(run=run_relay)
 
@@ -100,6 +106,7 @@ def run_relay(args: argparse.Namespace) -> int:
         keep_db=args.keep_db,
         profile=_profile_dir(args.profile),
         setup_sql=tuple(args.setup_sql),
+        on_sent=args.on_sent,
     )
     return _run("relay", args, lambda report: relay.run(options, report))
 

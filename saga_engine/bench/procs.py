@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from saga_engine import clock, errors
+from saga_engine.outbox.relay import BatchOutcome, Relay
 
 Spec = dict[str, Any]
 Result = dict[str, Any]
@@ -203,9 +204,13 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     from saga_engine import db, transport
     from saga_engine.bench.nulltransport import NullTransport
     from saga_engine.outbox.notify import Wakeup
-    from saga_engine.outbox.relay import Relay, RelayConfig
+    from saga_engine.outbox.relay import RelayConfig
 
-    config = RelayConfig(batch_size=spec["batch_size"], poll_interval=spec["poll_interval"])
+    config = RelayConfig(
+        batch_size=spec["batch_size"],
+        poll_interval=spec["poll_interval"],
+        on_sent=spec.get("on_sent", "mark"),
+    )
     engine = db.create_engine(spec["db"], pool_size=config.pool_size)
     db.check_connection(engine)
     broker = transport.from_url(spec["broker"]) if spec.get("broker") else NullTransport()
@@ -214,7 +219,7 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     if spec.get("ack_log"):
         log_acks(spec["ack_log"])
     wakeup = Wakeup.for_engine(engine) if spec.get("notify", True) else None
-    relay = Relay(engine, broker, config, wakeup=wakeup)
+    relay = TimedRelay(engine, broker, config, wakeup=wakeup)
     ready()
     stop = threading.Event()
     runner = threading.Thread(target=_profiled(relay.run, spec.get("profile")), args=(stop,))
@@ -228,7 +233,22 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     cpu = own_cpu_seconds() - cpu_before
     broker.close()
     engine.dispose()
-    return {**dataclasses.asdict(relay.stats), "cpu_s": cpu}
+    return {**dataclasses.asdict(relay.stats), "cpu_s": cpu, "passes": relay.passes}
+
+
+class TimedRelay(Relay):
+    """The engine's relay, noting when each pass committed and how many rows it published: a
+    phase's rate and drain times come from these, whether its rows are kept or deleted."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.passes: list[tuple[str, int]] = []
+
+    def run_once(self) -> BatchOutcome:
+        outcome = super().run_once()
+        if outcome.published:
+            self.passes.append((clock.SYSTEM.now().isoformat(), outcome.published))
+        return outcome
 
 
 def log_acks(path: str) -> None:
@@ -274,8 +294,8 @@ def _profiled(target: Callable[[threading.Event], None], path: str | None) -> An
 
 
 def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
-    """The database's ceiling: SKIP LOCKED claim of a batch, then mark it SENT; no broker, no
-    order guard, no message building."""
+    """The database's ceiling: SKIP LOCKED claim of a batch, then mark it SENT (or delete it, as
+    the relay's ``on_sent`` says); no broker, no order guard, no message building."""
     import sqlalchemy as sa
 
     from saga_engine import db, schema
@@ -286,6 +306,8 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     db.check_connection(engine)
     ready()
     cpu_before, done = own_cpu_seconds(), 0
+    passes: list[tuple[str, int]] = []
+    delete = spec.get("on_sent") == "delete"
     while True:
         now = clock.SYSTEM.now()
         with engine.begin() as conn:
@@ -296,19 +318,24 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
                 .limit(spec["batch_size"])
                 .with_for_update(skip_locked=True)
             ).all()
-            if rows:
+            claimed = t.c.id.in_([row.id for row in rows])
+            if rows and delete:
+                conn.execute(sa.delete(t).where(claimed))
+            elif rows:
                 conn.execute(
                     sa.update(t)
-                    .where(t.c.id.in_([row.id for row in rows]))
+                    .where(claimed)
                     .values(status=schema.OutboxStatus.SENT, sent_at=now, updated_at=now)
                 )
+        if rows:
+            passes.append((clock.SYSTEM.now().isoformat(), len(rows)))
         done += len(rows)
         ch.progress.value = done
         if not rows and not _any_pending(engine):
             break
     cpu = own_cpu_seconds() - cpu_before
     engine.dispose()
-    return {"rows": done, "cpu_s": cpu}
+    return {"rows": done, "cpu_s": cpu, "passes": passes}
 
 
 def _any_pending(engine: Any) -> bool:

@@ -17,9 +17,11 @@ ratio printed is the median of the rounds' ratios, each taken from two runs seco
 duplicated and reordered messages are summed over all rounds.
 
 Each phase starts its K processes first and lets them go together once connected and warm, so a
-rate is N / (time of the last acknowledgement - go); for the relays the last acknowledgement is the
-latest ``sent_at`` in the outbox. Rows stay put between phases (reset to PENDING and vacuumed), so
-every phase works on the same table of the same N rows.
+rate is N / (time of the last acknowledgement - go); for the relays that is when the last pass
+committed its marks, as each relay process notes it. Between phases the outbox is emptied and the
+same N rows (kept in a copy, ``bench_outbox_copy``) are put back as they were written, so every
+phase works on the same table of the same N rows, whether the relays mark the rows SENT or delete
+them (``--on-sent``).
 """
 
 from __future__ import annotations
@@ -45,10 +47,12 @@ from saga_engine import errors, schema
 from saga_engine.bench import env
 from saga_engine.bench.procs import Phase, Result
 from saga_engine.bench.report import Report, percentile
-from saga_engine.outbox.relay import to_outgoing
+from saga_engine.outbox.relay import ON_SENT, to_outgoing
 
 t = schema.outbox
 TARGET_RATIO = 0.85
+#: The rows as written, put back before every phase.
+COPY = "bench_outbox_copy"
 
 
 @dataclasses.dataclass
@@ -72,12 +76,16 @@ class Options:
     log_acks: bool = False
     #: Statements run in the scratch database after writing (e.g. to try an index).
     setup_sql: tuple[str, ...] = ()
+    #: ``RelayConfig.on_sent`` of the relays, and what the database ceiling does with its rows.
+    on_sent: str = "mark"
 
     def __post_init__(self) -> None:
         if min(self.messages, self.relays, self.batch_size, self.per_transaction) < 1:
             raise errors.ConfigurationError("--messages, --relays, --batch-size must be >= 1")
         if not 1 <= self.rounds <= 9:
             raise errors.ConfigurationError("--rounds must be between 1 and 9")
+        if self.on_sent not in ON_SENT:
+            raise errors.ConfigurationError(f"--on-sent must be one of {', '.join(ON_SENT)}")
         if self.per_key < 1 or self.partitions < 1:
             raise errors.ConfigurationError("--per-key and --partitions must be >= 1")
 
@@ -127,6 +135,7 @@ class Bench:
         report.figure("partitions", o.partitions, "topic partitions")
         report.figure("messages_per_key", o.per_key, "consecutive messages per key")
         report.figure("kafka_crc32c", _crc32c(), "kafka-python's CRC32C")
+        report.figure("on_sent", o.on_sent, "acknowledged rows are (on_sent)")
         self._write()
         ceiling_db = self._db_ceiling()
         self._reset()
@@ -237,13 +246,16 @@ class Bench:
             report.note(f"setup SQL: {statement}")
             with self.engine.begin() as conn:
                 conn.execute(sa.text(statement))
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE TABLE {COPY} AS SELECT * FROM {t.name}"))
         env.vacuum(self.engine, t.name)
 
     def _db_ceiling(self) -> float:
-        self.report.section("2. database ceiling: SKIP LOCKED claim + mark SENT, no broker")
-        spec = {"db": self.url, "batch_size": self.o.batch_size}
+        done = "mark SENT" if self.o.on_sent == "mark" else "delete"
+        self.report.section(f"2. database ceiling: SKIP LOCKED claim + {done}, no broker")
+        spec = {"db": self.url, "batch_size": self.o.batch_size, "on_sent": self.o.on_sent}
         run = self._phase("claim_mark", [spec] * self.o.relays)
-        return self._rates_from_outbox("db_claim_mark", run)
+        return self._rates_from_passes("db_claim_mark", run)
 
     def _relay_phase(self, key: str, broker: str | None, topic: str | None = None) -> float:
         o = self.o
@@ -255,6 +267,7 @@ class Bench:
                 "broker": broker,
                 "batch_size": o.batch_size,
                 "poll_interval": 0.5,
+                "on_sent": o.on_sent,
                 "warmup_topic": topic if broker else None,
                 "ack_log": str(self.ack_dir / f"acks-{i}.jsonl") if broker and o.log_acks else None,
                 "profile": f"{o.profile}/{key}-{i}.txt" if o.profile else None,
@@ -262,7 +275,7 @@ class Bench:
             for i in range(o.relays)
         ]
         run = self._phase("relay", specs)
-        rate = self._rates_from_outbox(key, run)
+        rate = self._rates_from_passes(key, run)
         published = sum(r["published"] for r in run.results)
         batches = sum(r["batches"] for r in run.results) or 1
         self.report.figure(f"{key}_mean_batch", published / batches, "mean rows per batch")
@@ -309,19 +322,23 @@ class Bench:
     def _broker_cpu(self) -> float:
         return env.cpu_seconds(self.broker.pid) if self.broker.pid is not None else math.nan
 
-    def _rates_from_outbox(self, key: str, run: PhaseRun) -> float:
-        with self.engine.connect() as conn:
-            sent = conn.scalars(
-                sa.select(t.c.sent_at).where(t.c.status == schema.OutboxStatus.SENT)
+    def _rates_from_passes(self, key: str, run: PhaseRun) -> float:
+        """Rate and drain times of a phase from its passes: (commit time, rows) as each process
+        noted them. A row's wait is from go to the commit of the pass that published it."""
+        waits = sorted(
+            (_seconds(datetime.fromisoformat(at) - run.t0), rows)
+            for result in run.results
+            for at, rows in result["passes"]
+        )
+        done = sum(rows for _, rows in waits)
+        rate = self.report.figure(f"{key}_rate", done / waits[-1][0], "rate", "msg/s")
+        for q in (50, 99):
+            self.report.figure(
+                f"{key}_drain_p{q}_ms",
+                1000 * _weighted_percentile(waits, q / 100),
+                f"go -> SENT p{q} (backlog)",
+                "ms",
             )
-            waits = [_seconds(at - run.t0) for at in sent]
-        rate = self.report.figure(f"{key}_rate", len(waits) / max(waits), "rate", "msg/s")
-        self.report.figure(
-            f"{key}_drain_p50_ms", 1000 * percentile(waits, 0.5), "go -> SENT p50 (backlog)", "ms"
-        )
-        self.report.figure(
-            f"{key}_drain_p99_ms", 1000 * percentile(waits, 0.99), "go -> SENT p99 (backlog)", "ms"
-        )
         self._cpu_figures(key, run)
         return float(rate)
 
@@ -334,17 +351,14 @@ class Bench:
         self.report.figure(f"{key}_machine_busy", 100 * run.busy, "machine CPU busy", "%")
 
     def _reset(self, destination: str | None = None) -> None:
-        extra = {} if destination is None else {"destination": destination}
+        """Put the written rows back, PENDING, bound for ``destination`` if given."""
+        copy = sa.table(COPY, sa.column("destination"))
+        empty = "DELETE FROM" if self.engine.dialect.name == "sqlite" else "TRUNCATE TABLE"
         with self.engine.begin() as conn:
-            conn.execute(
-                sa.update(t).values(
-                    status=schema.OutboxStatus.PENDING,
-                    sent_at=None,
-                    claimed_by=None,
-                    lease_until=None,
-                    **extra,
-                )
-            )
+            if destination is not None:
+                conn.execute(sa.update(copy).values(destination=destination))
+            conn.execute(sa.text(f"{empty} {t.name}"))
+            conn.execute(sa.text(f"INSERT INTO {t.name} SELECT * FROM {COPY}"))
         env.vacuum(self.engine, t.name)
 
     # -- verification -----------------------------------------------------------------------
@@ -353,8 +367,9 @@ class Bench:
         """Read ``topic`` back; this round's lost, duplicated and reordered messages."""
         report = self.report
         report.section("consumer: read the topic back, count by message id")
+        copy = sa.table(COPY, sa.column("message_id"), sa.column("id"))
         with self.engine.connect() as conn:
-            ids = dict(conn.execute(sa.select(t.c.message_id, t.c.id)).all())
+            ids = dict(conn.execute(sa.select(copy.c.message_id, copy.c.id)).all())
         where: dict[tuple[int, int], str] | None = {} if self.o.log_acks else None
         counts, order_violations, foreign = self._consume(topic, ids, where)
         if where is not None:
@@ -518,6 +533,16 @@ def _count(
 
 #: The rates each round measures, in the order ``run`` takes their medians.
 _ROUND_RATES = ("relay", "raw", "raw_one")
+
+
+def _weighted_percentile(values: list[tuple[float, int]], q: float) -> float:
+    """The ``q`` quantile of sorted (value, count) pairs, each value counted ``count`` times."""
+    rank, seen = q * sum(n for _, n in values), 0
+    for value, n in values:
+        seen += n
+        if seen >= rank:
+            return value
+    return values[-1][0]
 
 
 def _crc32c() -> str:

@@ -20,11 +20,26 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "saga_eng
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
 
-def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("on_sent", "rounds"), [("mark", 3), ("delete", 1)])
+def test_bench_relay_json_reports_no_loss(
+    pg_url: str, kafka_url: str, tmp_path: Path, on_sent: str, rounds: int
+) -> None:
     # --log-acks: should anything go missing, the output says where the broker said it put it.
     sizes = ["--messages", "300", "--relays", "2", "--batch-size", "100", "--log-acks"]
+    modes = ["--on-sent", on_sent, "--rounds", str(rounds)]
     result = subprocess.run(
-        [*COMMAND, "bench", "relay", "--db", pg_url, "--broker", kafka_url, *sizes, "--json"],
+        [
+            *COMMAND,
+            "bench",
+            "relay",
+            "--db",
+            pg_url,
+            "--broker",
+            kafka_url,
+            *sizes,
+            *modes,
+            "--json",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -34,15 +49,16 @@ def test_bench_relay_json_reports_no_loss(pg_url: str, kafka_url: str, tmp_path:
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "relay"
+    assert figures["on_sent"] == on_sent
     assert figures["acked_where_read"] == 300  # every ack's offset holds its message
     assert figures["messages"] == 300
     assert figures["lost"] == 0
     assert figures["duplicates"] == 0
     assert figures["delivered"] == 300
     assert figures["order_violations"] == 0
-    rounds = figures["rounds"]  # the ceiling and the relay, alternated; every round read back
-    assert len(rounds) == 3
-    assert all(r["lost"] == r["duplicates"] == 0 and r["relay"] > 0 for r in rounds)
+    # the ceiling and the relay, alternated; every round read back
+    assert len(figures["rounds"]) == rounds
+    assert all(r["lost"] == r["duplicates"] == 0 and r["relay"] > 0 for r in figures["rounds"])
     for rate in ("db_claim_mark_rate", "null_relay_rate", "raw_producer_rate", "relay_rate"):
         assert figures[rate] > 0, rate
     assert "relay_vs_raw_producer" in figures
