@@ -1,4 +1,5 @@
-"""The batch producer's pure parts: the partitioner, the record-size refusal, the ack log."""
+"""The batch producer's pure parts: the partitioner, the record batches, the record-size refusal,
+the ack log."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 
 from saga_engine.transport.base import OutgoingMessage
 from saga_engine.transport.kafka_batch import (
+    MAX_BATCH_BYTES,
     MAX_RECORD_BYTES,
+    _encode,
     _size_check,
     murmur2,
     partition_for,
@@ -20,6 +23,8 @@ from saga_engine.transport.kafka_batch import (
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"(read|open)_text is deprecated", DeprecationWarning)
     from kafka.partitioner.default import murmur2 as kafka_murmur2
+    from kafka.record.memory_records import MemoryRecords, MemoryRecordsBuilder
+    from kafka.structs import TopicPartition
 
 
 @given(st.binary(max_size=80))
@@ -81,3 +86,61 @@ def test_acknowledged_batches_are_logged_with_their_offsets_at_debug(
         kafka_batch._log_acks(response_double, chunks, ["a", "b", "c"])
     lines = [json.loads(r.getMessage()) for r in caplog.records]
     assert lines == [{"topic": "t", "partition": 0, "base_offset": 5, "ids": ["c", "a"]}]
+
+
+# -- record batches ---------------------------------------------------------------------------
+
+HEADERS = st.lists(st.tuples(st.text(max_size=12), st.binary(max_size=20)), max_size=3)
+MESSAGES = st.lists(
+    st.builds(
+        lambda n, key, value, headers: OutgoingMessage(f"m{n}", "t", key, value, tuple(headers)),
+        st.integers(),
+        st.text(max_size=30),
+        st.binary(max_size=300),
+        HEADERS,
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def builder_batches(messages: list[OutgoingMessage], timestamp: int, limit: int) -> list[bytes]:
+    """kafka-python's MemoryRecordsBuilder, filled the way its producer fills one."""
+    batches, builder = [], MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=limit)
+    for m in messages:
+        args = (timestamp, m.partition_key.encode(), m.value, list(m.headers))
+        if builder.append(*args) is None:
+            builder.close()
+            batches.append(bytes(builder.buffer()))
+            builder = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=limit)
+            builder.append(*args)
+    builder.close()
+    return [*batches, bytes(builder.buffer())]
+
+
+@given(MESSAGES, st.integers(min_value=0, max_value=2**41))
+def test_record_batches_are_the_bytes_kafka_pythons_builder_writes(
+    messages: list[OutgoingMessage], timestamp: int
+) -> None:
+    chunks = _encode(TopicPartition("t", 0), list(range(len(messages))), messages, timestamp)
+    assert [c.records for c in chunks] == builder_batches(messages, timestamp, MAX_BATCH_BYTES)
+    assert [i for c in chunks for i in c.indexes] == list(range(len(messages)))
+
+
+def test_a_partition_over_the_batch_limit_is_split_where_the_builder_splits_it() -> None:
+    value = b"v" * 100_000  # 512 KiB holds five of these, not six
+    messages = [OutgoingMessage(f"m{i}", "t", f"k{i}", value) for i in range(12)]
+    chunks = _encode(TopicPartition("t", 3), list(range(12)), messages, 1_700_000_000_000)
+    assert [c.indexes for c in chunks] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+    assert [c.records for c in chunks] == builder_batches(
+        messages, 1_700_000_000_000, MAX_BATCH_BYTES
+    )
+    for chunk in chunks:  # and a reader takes them back, CRC and all
+        batch = MemoryRecords(chunk.records).next_batch()
+        assert batch.validate_crc()
+        records = list(batch)
+        assert [r.key for r in records] == [
+            messages[i].partition_key.encode() for i in chunk.indexes
+        ]
+        assert [r.offset for r in records] == list(range(len(chunk.indexes)))
+        assert all(r.value == value and r.timestamp == 1_700_000_000_000 for r in records)
