@@ -62,7 +62,8 @@ def relay_panel(ax: Any, d: dict[str, Any]) -> None:
         ax,
         labels,
         [d.get(k, math.nan) for k in keys],
-        f"relay, {d['messages']:,} msgs, K={d['relays']}: relay/raw = {d.get('relay_vs_raw_producer', math.nan):.2f}",
+        f"relay, {d['messages']:,} msgs, K={d['relays']}, on_sent={d.get('on_sent', 'mark')}:"
+        f" relay/raw = {d.get('relay_vs_raw_producer', math.nan):.2f}",
         "messages/s",
     )
 
