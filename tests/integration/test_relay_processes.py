@@ -40,6 +40,7 @@ from saga_engine.transport.base import PublishResult
 from saga_engine.transport.sql import SqlTransport
 
 url, mode, batch_size, claim, lease = sys.argv[1:6]
+on_sent = sys.argv[6] if len(sys.argv) > 6 else "mark"
 
 
 class SlowTransportDouble(SqlTransport):
@@ -66,7 +67,8 @@ class FlakyTransportDouble(SqlTransport):
 engine = db.create_engine(url, pool_size=2)
 transport = {"slow": SlowTransportDouble, "flaky": FlakyTransportDouble}[mode](engine)
 config = RelayConfig(batch_size=int(batch_size), poll_interval=0.05, backoff_base=0.005,
-                     backoff_cap=0.05, max_retries=1000, claim=claim, lease_seconds=float(lease))
+                     backoff_cap=0.05, max_retries=1000, claim=claim, lease_seconds=float(lease),
+                     on_sent=on_sent)
 relay = Relay.for_database(url, transport, config)
 stop = threading.Event()
 signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -138,6 +140,12 @@ def stop_all(procs: list[Proc]) -> list[int]:
 def sent(engine: sa.Engine) -> int:
     with engine.connect() as conn:
         return int(conn.scalar(sa.select(sa.func.count()).select_from(t).where(t.c.status == SENT)))
+
+
+def unsent(engine: sa.Engine) -> int:
+    """Rows still to deliver: neither SENT nor deleted."""
+    with engine.connect() as conn:
+        return int(conn.scalar(sa.select(sa.func.count()).select_from(t).where(t.c.status != SENT)))
 
 
 def transported(engine: sa.Engine) -> list[str]:
@@ -229,33 +237,44 @@ def test_per_key_order_holds_across_four_relay_processes_with_failures(
 # -- 5. SIGKILL mid-batch -----------------------------------------------------------------------
 
 KILL_CASES = [
-    pytest.param("pg_url", "auto", marks=pytest.mark.postgres, id="postgres-skip_locked"),
-    pytest.param("mariadb_url", "optimistic", marks=pytest.mark.mariadb, id="mariadb-optimistic"),
+    pytest.param("pg_url", "auto", "mark", marks=pytest.mark.postgres, id="postgres-skip_locked"),
+    pytest.param(
+        "pg_url", "auto", "delete", marks=pytest.mark.postgres, id="postgres-skip_locked-delete"
+    ),
+    pytest.param(
+        "mariadb_url", "optimistic", "mark", marks=pytest.mark.mariadb, id="mariadb-optimistic"
+    ),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("database", "claim"), KILL_CASES)
+@pytest.mark.parametrize(("database", "claim", "on_sent"), KILL_CASES)
 def test_a_relay_killed_mid_batch_loses_nothing(
-    request: pytest.FixtureRequest, tmp_path: Path, engines: list[object], database: str, claim: str
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    engines: list[object],
+    database: str,
+    claim: str,
+    on_sent: str,
 ) -> None:
     url = request.getfixturevalue(database)
     engine = db.create_engine(url)
     engines.append(engine)
     batch = 50
     messages = write(engine, keys=400, per_key=1)
-    command = [sys.executable, "-c", RELAY_SCRIPT, url, "slow", str(batch), claim, "1"]
+    command = [sys.executable, "-c", RELAY_SCRIPT, url, "slow", str(batch), claim, "1", on_sent]
     with running([Proc(command, tmp_path, "victim")]) as (victim,):
         # Two batches published: the first is marked, the second waits for its "ack".
         wait_for(lambda: len(transported(engine)) >= 2 * batch, 30, "two published batches")
         victim.popen.send_signal(signal.SIGKILL)
         assert victim.popen.wait(10) == -signal.SIGKILL
-    marked_before = sent(engine)
+    marked_before = len(messages) - unsent(engine)  # SENT, or deleted with on_sent="delete"
     assert marked_before < len(transported(engine))  # published but never marked
 
-    relay = Relay(engine, SqlTransport(engine), RelayConfig(batch_size=batch, claim=claim))
+    config = RelayConfig(batch_size=batch, claim=claim, on_sent=on_sent)
+    relay = Relay(engine, SqlTransport(engine), config)
     # A lease the dead relay held runs out (1 s here); SKIP LOCKED rows are free at once.
-    wait_for(lambda: relay.run_once().claimed == 0 and sent(engine) == len(messages), 15, "redo")
+    wait_for(lambda: relay.run_once().claimed == 0 and unsent(engine) == 0, 15, "redo")
 
     delivered = transported(engine)
     duplicates = len(delivered) - len(set(delivered))
