@@ -73,6 +73,8 @@ class Runtime:
         self.consumers = [self._orchestrator(config)] + [
             self._participant(name, engines[name], config) for name in sorted(app.participants)
         ]
+        # on_sent stays "mark" whatever the app says: the "nothing lost" invariant checks each
+        # outbox row against the inboxes, which needs the delivered rows kept.
         relay_config = RelayConfig(
             batch_size=batch_size,
             claim=app.relay_config.claim,
