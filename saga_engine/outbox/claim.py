@@ -249,30 +249,16 @@ class ClaimStrategy(abc.ABC):
         """A claim whose connection is in a transaction in which to mark the results."""
 
 
-#: For the rest of a claim's transaction (the order guard and the marks). psycopg prepares a
-#: statement on its fifth execution, and PostgreSQL then plans it once for any parameters: a
-#: generic plan cannot hash the ids of ``id <> ALL(:ids)`` (it hashes constant arrays only) and
-#: compares each row with every id, so the guard of a 500-row batch took 4 ms of server CPU
-#: instead of 0.8. The cost grows with the square of the batch, while the extra round trip and
-#: planning cost the same for any batch: a claim of a few rows (the usual one at a steady rate,
-#: where delivery latency counts) does better without. Hence the threshold.
-CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
-CUSTOM_PLANS_FROM = 100
-
-
 class SkipLockedClaim(ClaimStrategy):
     name = "skip_locked"
 
     @contextlib.contextmanager
     def claim(self, engine: Engine, limit: int, now: datetime) -> Iterator[Claim]:
         with engine.connect() as conn, conn.begin():
-            dialect = db.dialect_name(conn)
-            if dialect == "mysql":
+            if db.dialect_name(conn) == "mysql":
                 # REPEATABLE READ would let the order guard read a snapshot older than the locks.
                 conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
             rows = _outbox_rows(conn.execute(statements(conn).claim, {"now": now, "limit": limit}))
-            if dialect == "postgresql" and len(rows) >= CUSTOM_PLANS_FROM:
-                conn.exec_driver_sql(CUSTOM_PLANS)
             publishable = order_guard(conn, rows)
             yield Claim(conn, publishable)
             # Rows held back by the guard need nothing: their locks end with the transaction.
@@ -337,6 +323,17 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
     conn.execute(statements(conn).release, {"ids": list(row_ids), "token": token})
 
 
+#: Set by the order guard for the rest of its transaction (and so for the marks of a SKIP LOCKED
+#: claim). psycopg prepares a statement on its fifth execution, and PostgreSQL then plans it once
+#: for any parameters: a generic plan cannot hash the ids of ``id <> ALL(:ids)`` (it hashes
+#: constant arrays only) and compares each row with every id, so the guard of a 500-row batch took
+#: 4 ms of server CPU instead of 0.8. That cost grows with the square of the batch, while the extra
+#: round trip and the planning cost the same for any batch: a claim of a few rows (the usual one at
+#: a steady rate, where delivery latency counts) does better without. Hence the threshold.
+CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
+CUSTOM_PLANS_FROM = 100
+
+
 def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     """The rows that may be published now without overtaking an earlier message of their key.
 
@@ -348,6 +345,8 @@ def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     claimed = [row.id for row in rows]
     keys = list(dict.fromkeys(row.partition_key for row in rows))
     params = {"keys": keys, "ids": claimed, "max_id": max(claimed)}
+    if len(rows) >= CUSTOM_PLANS_FROM and uses_arrays(conn):
+        conn.exec_driver_sql(CUSTOM_PLANS)
     blockers: dict[str, int] = dict(conn.execute(statements(conn).guard, params).all())
     if not blockers:
         return list(rows)

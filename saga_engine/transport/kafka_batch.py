@@ -314,11 +314,12 @@ def _encode(
     size = _BATCH_HEADER.size
     for i in indexes:
         message = messages[i]
-        record = _record(len(records), message.partition_key.encode(), message)
+        key = message.partition_key.encode()
+        record = _record(len(records), key, message)
         if records and size + len(record) > MAX_BATCH_BYTES:
             chunks.append(_Chunk(partition, taken, _batch(records, timestamp)))
             records, taken, size = [], [], _BATCH_HEADER.size
-            record = _record(0, message.partition_key.encode(), message)
+            record = _record(0, key, message)  # its offset delta starts the new batch
         records.append(record)
         taken.append(i)
         size += len(record)

@@ -21,7 +21,7 @@ from saga_engine.messages import Envelope
 from saga_engine.outbox import DEFAULT_MAX_PAYLOAD_BYTES, OutboxWriter
 from saga_engine.outbox import claim as claims
 from saga_engine.outbox.notify import Wakeup
-from saga_engine.outbox.relay import RelayConfig, to_outgoing
+from saga_engine.outbox.relay import ON_SENT, RelayConfig, to_outgoing
 from saga_engine.transport.base import OutgoingMessage
 from saga_engine.transport.memory import MemoryTransport
 
@@ -93,6 +93,16 @@ def test_backoff_survives_absurd_retry_counts() -> None:
 def test_relay_config_rejects_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         RelayConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("on_sent", ON_SENT)
+def test_both_relay_commands_offer_every_on_sent_choice(on_sent: str) -> None:
+    # The parsers spell the choices out (importing the relay would slow every command's start).
+    from saga_engine.cli import build_parser
+
+    for command in (["relay"], ["bench", "relay"]):
+        args = build_parser().parse_args([*command, "--on-sent", on_sent])
+        assert args.on_sent == on_sent
 
 
 # -- the payload limit, at write time -----------------------------------------------------------
