@@ -204,14 +204,14 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     from saga_engine import db, transport
     from saga_engine.bench.nulltransport import NullTransport
     from saga_engine.outbox.notify import Wakeup
-    from saga_engine.outbox.relay import RelayConfig
+    from saga_engine.outbox.relay import RelayConfig, relay_engine
 
     config = RelayConfig(
         batch_size=spec["batch_size"],
         poll_interval=spec["poll_interval"],
         on_sent=spec.get("on_sent", "mark"),
     )
-    engine = db.create_engine(spec["db"], pool_size=config.pool_size)
+    engine = relay_engine(spec["db"], config.pool_size)
     db.check_connection(engine)
     broker = transport.from_url(spec["broker"]) if spec.get("broker") else NullTransport()
     if spec.get("warmup_topic"):

@@ -329,7 +329,8 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
 #: constant arrays only) and compares each row with every id, so the guard of a 500-row batch took
 #: 4 ms of server CPU instead of 0.8. That cost grows with the square of the batch, while the extra
 #: round trip and the planning cost the same for any batch: a claim of a few rows (the usual one at
-#: a steady rate, where delivery latency counts) does better without. Hence the threshold.
+#: a steady rate, where delivery latency counts) does better without. Hence the threshold. (A
+#: relay's own pool plans every statement anew anyway: see ``relay.relay_engine``.)
 CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
 CUSTOM_PLANS_FROM = 100
 

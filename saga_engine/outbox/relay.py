@@ -133,7 +133,7 @@ class Relay:
     ) -> Relay:
         """A relay with its own small connection pool, apart from the application's (pit 3)."""
         config = config or RelayConfig()
-        engine = db.create_engine(db_url, pool_size=config.pool_size)
+        engine = relay_engine(db_url, config.pool_size)
         wakeup = kwargs.pop("wakeup", None) or Wakeup.for_engine(engine)
         return cls(engine, transport, config, wakeup=wakeup, **kwargs)
 
@@ -330,6 +330,34 @@ class Relay:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+
+
+#: Run by every connection of a relay's own pool on PostgreSQL (see :func:`relay_engine`).
+PLAN_EACH_EXECUTION = "SET plan_cache_mode = force_custom_plan"
+
+
+def relay_engine(db_url: str, pool_size: int) -> Engine:
+    """The relay's own small pool, apart from the application's (pit 3).
+
+    On PostgreSQL its sessions plan every statement for the parameters and the table of the
+    moment. The outbox is a queue: it may be empty, and analyzed as empty, one minute and hold a
+    backlog the next. psycopg prepares a statement on its fifth execution, and a generic plan
+    made while the table looked empty (a sequential scan) then served every pass until the next
+    ANALYZE, however large the table grew. At 1,000 messages/s a pass's mark took 2.9-4.0 ms
+    instead of 0.6-0.9. Planning a pass's three statements anew costs less than one such scan.
+    (The order guard's ``SET LOCAL`` for large claims then changes nothing; it stays for relays
+    built as ``Relay(engine, ...)`` on any other engine.)
+    """
+    engine = db.create_engine(db_url, pool_size=pool_size)
+    if engine.dialect.name == "postgresql":
+        sa.event.listen(engine, "connect", _plan_each_execution)
+    return engine
+
+
+def _plan_each_execution(dbapi_connection: Any, _record: Any) -> None:
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute(PLAN_EACH_EXECUTION)
+    dbapi_connection.commit()  # a session setting, kept past the pool's rollback on return
 
 
 def to_outgoing(row: OutboxRow | sa.Row[*tuple[Any, ...]]) -> OutgoingMessage:

@@ -27,6 +27,7 @@ from saga_engine.transport.memory import MemoryTransport
 t = schema.outbox
 PENDING, SENT, FAILED = schema.OutboxStatus
 START = datetime(2030, 1, 1, 12, 0, 0, 250000)
+LATER = START + timedelta(seconds=1)
 
 
 class ClockDouble:
@@ -260,6 +261,51 @@ def test_a_large_claim_plans_its_statements_for_their_own_parameters(pg_url: str
 
 def plan_cache_mode(conn: sa.Connection) -> str | None:
     return conn.exec_driver_sql("SHOW plan_cache_mode").scalar()
+
+
+@pytest.mark.postgres
+def test_a_relays_own_pool_plans_each_pass_for_the_table_as_it_is(pg_url: str) -> None:
+    """The outbox is often empty when it is analyzed. A generic plan made then (a sequential
+    scan) would serve every later pass, however large the table grew, until the next ANALYZE."""
+    plain = db.create_engine(pg_url, pool_size=1)
+    config = RelayConfig(pool_size=1)
+    own = Relay.for_database(pg_url, MemoryTransport(), config, clock=ClockDouble(LATER))
+    try:
+        with plain.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("VACUUM (ANALYZE) outbox_messages")  # analyzed while empty
+        shared = Relay(plain, MemoryTransport(), config, clock=ClockDouble(LATER))
+        for relay in (shared, own):
+            for i in range(PASSES):
+                write(plain, [envelope(f"{relay is own}-{i}")])
+                assert relay.run_once().published == 1
+        claim_sql = "%FOR UPDATE SKIP LOCKED"
+        assert plans(plain, claim_sql)["generic"] > 0  # what the relay's own pool avoids
+        own_plans = plans(own.engine, claim_sql)
+        assert own_plans["generic"] == 0 and own_plans["custom"] > 0
+        with own.engine.begin() as conn:
+            assert plan_cache_mode(conn) == "force_custom_plan"
+    finally:
+        plain.dispose()
+        own.engine.dispose()
+
+
+#: psycopg prepares a statement on its 5th execution, and PostgreSQL plans the first 5 executions
+#: of a prepared statement for their parameters before it weighs a generic plan.
+PASSES = 12
+
+
+def plans(engine: sa.Engine, statement_like: str) -> dict[str, int]:
+    """How often the prepared statements matching ``statement_like`` of ``engine``'s one pooled
+    session were run with a generic and with a custom plan."""
+    with engine.begin() as conn:  # committed: psycopg forgets its prepared statements on rollback
+        row = conn.execute(
+            sa.text(
+                "SELECT coalesce(sum(generic_plans), 0), coalesce(sum(custom_plans), 0)"
+                " FROM pg_prepared_statements WHERE statement LIKE :like"
+            ),
+            {"like": statement_like},
+        ).one()
+    return {"generic": int(row[0]), "custom": int(row[1])}
 
 
 # -- the writer ---------------------------------------------------------------------------------
