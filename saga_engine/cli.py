@@ -206,18 +206,38 @@ def run_relay(args: argparse.Namespace) -> int:
 
 
 def register_cleanup(commands: Any) -> None:
-    parser = commands.add_parser("cleanup", help="delete (or archive) old SENT outbox rows")
+    from saga_engine.inbox import INBOX_RETENTION
+
+    parser = commands.add_parser(
+        "cleanup", help="delete (or archive) old SENT outbox rows, and prune the inbox"
+    )
     add_db(parser)
     parser.add_argument("--retention-days", type=float, default=7.0)
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--archive", action="store_true", help="copy to outbox_history first")
+    parser.add_argument(
+        "--inbox-retention-days",
+        type=float,
+        default=INBOX_RETENTION / timedelta(days=1),
+        help="prune inbox entries older than this; longer than any log a consumer may replay",
+    )
+    parser.add_argument("--keep-inbox", action="store_true", help="leave the inbox alone")
     parser.set_defaults(run=run_cleanup)
 
 
 def run_cleanup(args: argparse.Namespace) -> int:
+    from saga_engine import inbox
     from saga_engine.outbox.cleanup import cleanup
 
+    if args.retention_days < 0:
+        raise errors.ConfigurationError("--retention-days must not be negative")
+    if args.inbox_retention_days <= 0 and not args.keep_inbox:
+        raise errors.ConfigurationError(
+            "--inbox-retention-days must be positive (use --keep-inbox to keep every entry)"
+        )
     tables = (*OUTBOX_TABLES, "outbox_history") if args.archive else OUTBOX_TABLES
+    if not args.keep_inbox:
+        tables = (*tables, "inbox_messages", "inbox_duplicates")
     engine = open_engine(args.db, tables=tables)
     result = cleanup(
         engine,
@@ -225,7 +245,15 @@ def run_cleanup(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         archive=args.archive,
     )
-    print_json(result.__dict__)
+    report: dict[str, int] = dict(result.__dict__)
+    if not args.keep_inbox:
+        pruned = inbox.prune(
+            engine,
+            retention=timedelta(days=args.inbox_retention_days),
+            batch_size=args.batch_size,
+        )
+        report |= {"inbox": pruned.inbox, "inbox_duplicates": pruned.duplicates}
+    print_json(report)
     return 0
 
 

@@ -9,15 +9,20 @@ a crash either keeps both or neither; this is exactly-once in effect on top of a
 such: the key lives outside the database transaction, so a crash between SET NX and the commit
 loses the effect unless the key is removed (we remove it on rollback, best effort), and a Redis
 failover or an expired TTL lets a duplicate through. Use it in front of naturally idempotent work.
+
+:func:`prune` deletes inbox entries older than a retention (30 days by default), in short
+batches; the worker's ``cleanup`` role and ``saga-engine cleanup`` run it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from saga_engine import clock, db, schema
 
@@ -69,6 +74,63 @@ class Inbox:
         if consumer is not None:
             stmt = stmt.where(schema.inbox_duplicates.c.consumer == consumer)
         return int(conn.scalar(stmt) or 0)
+
+
+#: How long the worker's cleanup keeps inbox entries unless told otherwise. A message can come
+#: back as long as the broker keeps it (a consumer group reset to the earliest offset replays the
+#: whole log; Kafka keeps 7 days by default), so keep entries longer than any log you may replay.
+INBOX_RETENTION = timedelta(days=30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneResult:
+    inbox: int  # inbox_messages rows deleted
+    duplicates: int  # inbox_duplicates rows deleted
+    batches: int
+
+
+def prune(
+    engine: Engine,
+    *,
+    retention: timedelta = INBOX_RETENTION,
+    batch_size: int = 1000,
+    clock: clock.Clock = clock.SYSTEM,
+    max_batches: int | None = None,
+) -> PruneResult:
+    """Delete inbox entries received, and duplicates counted, more than ``retention`` ago.
+
+    ``batch_size`` rows at a time, each batch its own short transaction, like the outbox's
+    cleanup. A pruned message that is delivered again is processed again: that is why the
+    retention must outlast every redelivery (see ``INBOX_RETENTION``).
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    if retention <= timedelta(0):
+        raise ValueError("retention must be positive: a zero retention would disable the inbox")
+    cutoff = clock.now() - retention
+    i, d = schema.inbox, schema.inbox_duplicates
+    inbox_keys = (
+        sa.select(i.c.consumer, i.c.message_id)
+        .where(i.c.received_at < cutoff)
+        .order_by(i.c.received_at)
+        .limit(batch_size)
+    )
+    duplicate_ids = sa.select(d.c.id).where(d.c.seen_at < cutoff).order_by(d.c.id).limit(batch_size)
+    inbox = duplicates = batches = 0
+    while max_batches is None or batches < max_batches:
+        with engine.begin() as conn:
+            # Keys first, then DELETE ... IN: DELETE ... LIMIT is MySQL-only.
+            keys = [tuple(row) for row in conn.execute(inbox_keys)]
+            ids = conn.scalars(duplicate_ids).all()
+            if not keys and not ids:
+                break
+            if keys:
+                pair = sa.tuple_(i.c.consumer, i.c.message_id)
+                inbox += conn.execute(sa.delete(i).where(pair.in_(keys))).rowcount
+            if ids:
+                duplicates += conn.execute(sa.delete(d).where(d.c.id.in_(ids))).rowcount
+        batches += 1
+    return PruneResult(inbox, duplicates, batches)
 
 
 class RedisClient(Protocol):

@@ -106,6 +106,7 @@ inbox = sa.Table(
     sa.Column("consumer", sa.String(128), primary_key=True),
     sa.Column("message_id", sa.String(64), primary_key=True),
     sa.Column("received_at", Timestamp, nullable=False),
+    sa.Index(None, "received_at"),  # pruning finds the oldest rows (saga_engine.inbox.prune)
 )
 
 inbox_duplicates = sa.Table(

@@ -1,10 +1,10 @@
 """The worker: runs everything an app declares, each role in its own thread.
 
 Roles: ``orchestrator`` (applies replies), ``participants`` (runs command handlers), ``relay`` (one
-per database that has an outbox), ``deadlines`` (timeouts and back-offs), ``cleanup`` (old SENT rows).
-Any number of workers can run at once: consumers share channels through consumer groups (Kafka) or
-row leases (SQL transport), relays through SKIP LOCKED or leases, deadlines through the instances'
-version check. A stop request lets every loop finish the batch in hand.
+per database that has an outbox), ``deadlines`` (timeouts and back-offs), ``cleanup`` (old SENT
+rows, old inbox entries). Any number of workers can run at once: consumers share channels through
+consumer groups (Kafka) or row leases (SQL transport), relays through SKIP LOCKED or leases,
+deadlines through the instances' version check. A stop request lets every loop finish the batch in hand.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from datetime import timedelta
 
 from sqlalchemy import Engine, exc
 
-from saga_engine import db, errors, store, transport
+from saga_engine import db, errors, inbox, store, transport
 from saga_engine.app import App
 from saga_engine.consumer import MessageConsumer
 from saga_engine.outbox import cleanup
@@ -88,9 +88,13 @@ class WorkerOptions:
     deadline_interval: float = 0.2
     cleanup_interval: float = 3600.0
     retention: timedelta = timedelta(days=7)
+    #: Inbox entries older than this are pruned by the cleanup role; None keeps them all.
+    inbox_retention: timedelta | None = inbox.INBOX_RETENTION
     relay_wake_interval: float = RELAY_WAKE_INTERVAL
 
     def __post_init__(self) -> None:
+        if self.inbox_retention is not None and self.inbox_retention <= timedelta(0):
+            raise errors.ConfigurationError("inbox_retention must be positive, or None to keep all")
         unknown = set(self.roles) - set(ROLES)
         if unknown:
             raise errors.ConfigurationError(
@@ -256,6 +260,10 @@ class Worker:
             for engine in list(self.engines.values()):
                 try:
                     cleanup.cleanup(engine, retention=self.options.retention, clock=self.app.clock)
+                    if self.options.inbox_retention is not None:
+                        inbox.prune(
+                            engine, retention=self.options.inbox_retention, clock=self.app.clock
+                        )
                 except exc.SQLAlchemyError as error:
                     log.warning("cleanup failed: %s", str(error).splitlines()[0])
 

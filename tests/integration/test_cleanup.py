@@ -127,7 +127,17 @@ def test_cleanup_stops_after_max_batches(sqlite_url: str, engines: list[object])
 
 def test_cleanup_through_the_cli(db_url: str, engines: list[object]) -> None:
     engine = setup(db_url, engines)
-    groups = fill(engine, clock.SYSTEM.now())  # the CLI uses the wall clock
+    now = clock.SYSTEM.now()  # the CLI uses the wall clock
+    groups = fill(engine, now)
+    received = [now - timedelta(days=31), now - timedelta(days=29), now - timedelta(days=3)]
+    with engine.begin() as conn:
+        conn.execute(
+            schema.inbox.insert(),
+            [
+                {"consumer": "c", "message_id": f"m-{i}", "received_at": at}
+                for i, at in enumerate(received)
+            ],
+        )
 
     done = subprocess.run(
         [CLI, "cleanup", "--db", db_url, "--batch-size", "1000", "--archive"],
@@ -137,6 +147,30 @@ def test_cleanup_through_the_cli(db_url: str, engines: list[object]) -> None:
     )
 
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"deleted": 2500, "archived": 2500, "batches": 3}
+    assert json.loads(done.stdout) == {
+        "deleted": 2500,
+        "archived": 2500,
+        "batches": 3,
+        "inbox": 1,  # older than the 30 days of --inbox-retention-days
+        "inbox_duplicates": 0,
+    }
     assert message_ids(engine, t) == kept(groups)
     assert len(message_ids(engine, h)) == 2500
+    assert message_ids(engine, schema.inbox) == {"m-1", "m-2"}
+
+    shorter = [CLI, "cleanup", "--db", db_url, "--inbox-retention-days", "7"]
+    done = subprocess.run(shorter, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["inbox"] == 1
+    kept_all = [CLI, "cleanup", "--db", db_url, "--inbox-retention-days", "0", "--keep-inbox"]
+    done = subprocess.run(kept_all, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "inbox" not in json.loads(done.stdout)
+    assert message_ids(engine, schema.inbox) == {"m-2"}
+    refused = subprocess.run(
+        [CLI, "cleanup", "--db", db_url, "--inbox-retention-days", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "--keep-inbox" in refused.stderr
