@@ -329,10 +329,12 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
 #: constant arrays only) and compares each row with every id, so the guard of a 500-row batch took
 #: 4 ms of server CPU instead of 0.8. That cost grows with the square of the batch, while the extra
 #: round trip and the planning cost the same for any batch: a claim of a few rows (the usual one at
-#: a steady rate, where delivery latency counts) does better without. Hence the threshold. (A
-#: relay's own pool plans every statement anew anyway: see ``relay.relay_engine``.)
+#: a steady rate, where delivery latency counts) does better without. Hence the threshold.
 CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
 CUSTOM_PLANS_FROM = 100
+#: Set in a connection's ``info`` when its whole session plans every statement anew (a relay's
+#: own pool: ``relay.relay_engine``), so the guard needs no ``SET LOCAL`` round trip.
+PLANS_EACH_EXECUTION = "saga_engine.plans_each_execution"
 
 
 def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
@@ -346,7 +348,8 @@ def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     claimed = [row.id for row in rows]
     keys = list(dict.fromkeys(row.partition_key for row in rows))
     params = {"keys": keys, "ids": claimed, "max_id": max(claimed)}
-    if len(rows) >= CUSTOM_PLANS_FROM and uses_arrays(conn):
+    large = len(rows) >= CUSTOM_PLANS_FROM
+    if large and uses_arrays(conn) and not conn.info.get(PLANS_EACH_EXECUTION):
         conn.exec_driver_sql(CUSTOM_PLANS)
     blockers: dict[str, int] = dict(conn.execute(statements(conn).guard, params).all())
     if not blockers:

@@ -345,8 +345,8 @@ def relay_engine(db_url: str, pool_size: int) -> Engine:
     made while the table looked empty (a sequential scan) then served every pass until the next
     ANALYZE, however large the table grew. At 1,000 messages/s a pass's mark took 2.9-4.0 ms
     instead of 0.6-0.9. Planning a pass's three statements anew costs less than one such scan.
-    (The order guard's ``SET LOCAL`` for large claims then changes nothing; it stays for relays
-    built as ``Relay(engine, ...)`` on any other engine.)
+    The order guard then skips its ``SET LOCAL`` for large claims, which relays built as
+    ``Relay(engine, ...)`` on any other engine still need.
     """
     engine = db.create_engine(db_url, pool_size=pool_size)
     if engine.dialect.name == "postgresql":
@@ -354,10 +354,11 @@ def relay_engine(db_url: str, pool_size: int) -> Engine:
     return engine
 
 
-def _plan_each_execution(dbapi_connection: Any, _record: Any) -> None:
+def _plan_each_execution(dbapi_connection: Any, record: Any) -> None:
     with dbapi_connection.cursor() as cursor:
         cursor.execute(PLAN_EACH_EXECUTION)
     dbapi_connection.commit()  # a session setting, kept past the pool's rollback on return
+    record.info[claims.PLANS_EACH_EXECUTION] = True
 
 
 def to_outgoing(row: OutboxRow | sa.Row[*tuple[Any, ...]]) -> OutgoingMessage:

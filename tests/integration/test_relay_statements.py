@@ -289,6 +289,24 @@ def test_a_relays_own_pool_plans_each_pass_for_the_table_as_it_is(pg_url: str) -
         own.engine.dispose()
 
 
+@pytest.mark.postgres
+def test_a_relays_own_pool_needs_no_set_local_for_a_large_claim(pg_url: str) -> None:
+    relay = Relay.for_database(
+        pg_url, MemoryTransport(), RelayConfig(pool_size=1), clock=ClockDouble(LATER)
+    )
+    plain = db.create_engine(pg_url, pool_size=1)
+    try:
+        write(plain, [envelope(f"k{i}") for i in range(claims.CUSTOM_PLANS_FROM)])
+        log = StatementLog(relay.engine)
+        assert relay.run_once().published == claims.CUSTOM_PLANS_FROM
+        assert log.matching("plan_cache_mode") == []  # the session plans each statement anyway
+        with relay.engine.begin() as conn:
+            assert plan_cache_mode(conn) == "force_custom_plan"
+    finally:
+        plain.dispose()
+        relay.engine.dispose()
+
+
 #: psycopg prepares a statement on its 5th execution, and PostgreSQL plans the first 5 executions
 #: of a prepared statement for their parameters before it weighs a generic plan.
 PASSES = 12
