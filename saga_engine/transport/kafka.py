@@ -2,7 +2,8 @@
 
 ``kafka://host:port[,host:port...][?option=value&...]``. Options: ``partitions`` (for topics this
 transport creates, default 8), ``replication_factor`` (default 1), ``client_id``,
-``max_poll_interval_ms``, ``session_timeout_ms`` and ``request_timeout_ms``.
+``max_poll_interval_ms``, ``session_timeout_ms``, ``request_timeout_ms`` and
+``fetch_max_wait_ms`` (default 500, as Kafka's clients: how long a fetch may wait for data).
 
 Publishing goes through :class:`~saga_engine.transport.kafka_batch.BatchProducer`: a relay batch
 leaves as one record batch per partition (``acks=all``), and every message gets its own result, so
@@ -55,7 +56,12 @@ OPTIONS = (
     "max_poll_interval_ms",
     "session_timeout_ms",
     "request_timeout_ms",
+    "fetch_max_wait_ms",
 )
+#: kafka-python's and the Java client's default. Kafka answers a waiting fetch as soon as data
+#: arrives; a broker that holds it for the whole wait instead (tansu) adds up to this much to every
+#: hop, so point such a broker's URL at a few milliseconds.
+FETCH_MAX_WAIT_MS = 500
 
 
 class KafkaTransport(Transport):
@@ -76,6 +82,7 @@ class KafkaTransport(Transport):
         max_poll_interval_ms: int = 300_000,
         session_timeout_ms: int | None = None,
         request_timeout_ms: int = 30_000,
+        fetch_max_wait_ms: int = FETCH_MAX_WAIT_MS,
     ) -> None:
         if isinstance(bootstrap_servers, str):
             bootstrap_servers = bootstrap_servers.split(",")
@@ -91,6 +98,7 @@ class KafkaTransport(Transport):
         # quickly. Group joins on tansu wait about half of it, so tests lower the poll interval.
         self.session_timeout_ms = session_timeout_ms or min(10_000, max_poll_interval_ms)
         self.request_timeout_ms = request_timeout_ms
+        self.fetch_max_wait_ms = fetch_max_wait_ms
         self._producer: BatchProducer | None = None
         # One publish at a time: a failed publish replaces the producer, which must not happen
         # under another thread's sends; batching makes the serialisation cheap.
@@ -115,6 +123,7 @@ class KafkaTransport(Transport):
             max_poll_interval_ms=_positive_int(query, "max_poll_interval_ms", 300_000),
             session_timeout_ms=_positive_int(query, "session_timeout_ms", 0) or None,
             request_timeout_ms=_positive_int(query, "request_timeout_ms", 30_000),
+            fetch_max_wait_ms=_positive_int(query, "fetch_max_wait_ms", FETCH_MAX_WAIT_MS),
         )
 
     # -- publishing -------------------------------------------------------------------------
@@ -222,6 +231,7 @@ class KafkaTransport(Transport):
             "heartbeat_interval_ms": max(1, self.session_timeout_ms // 3),
             "request_timeout_ms": self.request_timeout_ms,
             "bootstrap_timeout_ms": self.request_timeout_ms,
+            "fetch_max_wait_ms": self.fetch_max_wait_ms,
         }
 
     def close(self) -> None:

@@ -355,7 +355,7 @@ def test_consumer_survives_a_broker_outage_and_commit_reports_it(
 def test_url_options_are_parsed() -> None:
     transport = kafka(
         "kafka://a.example:9093,b.example?partitions=3&client_id=orders"
-        "&max_poll_interval_ms=4000&replication_factor=2"
+        "&max_poll_interval_ms=4000&replication_factor=2&fetch_max_wait_ms=20"
     )
 
     assert transport.bootstrap_servers == ("a.example:9093", "b.example:9092")
@@ -363,6 +363,9 @@ def test_url_options_are_parsed() -> None:
     assert transport.client_id == "orders"
     assert (transport.max_poll_interval_ms, transport.session_timeout_ms) == (4000, 4000)
     assert kafka("kafka://h:1").session_timeout_ms == 10_000
+    # what the consumers' kafka-python clients are given; Kafka's own default otherwise
+    assert transport._consumer_config("orders")["fetch_max_wait_ms"] == 20
+    assert kafka("kafka://h:1")._consumer_config("orders")["fetch_max_wait_ms"] == 500
 
 
 @pytest.mark.parametrize(
@@ -376,6 +379,7 @@ def test_url_options_are_parsed() -> None:
         "kafka://broker:9092?partitions=many",
         "kafka://broker:9092?partitions=2&partitions=3",
         "kafka://broker:9092?acks=1",
+        "kafka://broker:9092?fetch_max_wait_ms=0",
     ],
 )
 def test_bad_urls_are_configuration_errors(url: str) -> None:
