@@ -117,6 +117,12 @@ def _saga(sub: Any) -> None:
     parser.add_argument("--sagas", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (K)")
     parser.add_argument("--compensate", type=float, default=0.1, help="share that compensates")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        metavar="SAGAS_PER_S",
+        help="place the orders at this rate (default: back to back, for throughput)",
+    )
     parser.add_argument("--app", default="sagas.app:app", metavar="MODULE:OBJECT")
     parser.add_argument("--peer", choices=["temporal"], help="also run the peer in this run")
     parser.add_argument(
@@ -139,6 +145,7 @@ def run_saga(args: argparse.Namespace) -> int:
         sagas=args.sagas,
         workers=args.workers,
         compensate=args.compensate,
+        rate=args.rate,
         app=args.app,
         peer=args.peer,
         peer_sagas=args.peer_sagas,

@@ -51,6 +51,8 @@ class Options:
     peer: str | None = None
     peer_sagas: int = 500
     peer_script: str | None = None
+    #: Orders placed per second; None places them as fast as one session can.
+    rate: float | None = None
     timeout: float = 300.0
     keep_db: bool = False
 
@@ -59,6 +61,8 @@ class Options:
             raise errors.ConfigurationError("--sagas, --workers and --peer-sagas must be >= 1")
         if not 0 <= self.compensate <= 1:
             raise errors.ConfigurationError("--compensate must be within 0..1")
+        if self.rate is not None and self.rate <= 0:
+            raise errors.ConfigurationError("--rate must be positive")
 
 
 def run(options: Options, report: Report) -> bool:
@@ -113,13 +117,15 @@ class Bench:
         report.figure("sagas", o.sagas, "sagas")
         report.figure("workers", o.workers, "worker processes (K)")
         report.figure("compensate_share", o.compensate, "share declined at payment")
+        if o.rate is not None:
+            report.figure("offered_rate", o.rate, "orders placed per second", "sagas/s")
         self.app.create_tables(self.engine)
         self.module.seed(self.engine, orders=o.sagas + 2 * WARMUP_SAGAS)
         with workers(self.url, self.broker.url, o.app, o.workers) as (procs, logs):
             self.logs = logs
             self._warm_up()
             cpu_before = [env.cpu_seconds(p.pid) for p in procs]
-            placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas))
+            placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas), rate=o.rate)
             finished = self._wait()
             cpu = sum(env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True))
             rss = [env.peak_rss_mb(p.pid) for p in procs]
@@ -134,11 +140,18 @@ class Bench:
                 raise errors.SagaEngineError("warm-up sagas did not finish in 120 s")
             time.sleep(2.0)
 
-    def _place(self, numbers: range, compensate: float | None = None) -> list[str]:
+    def _place(
+        self, numbers: range, compensate: float | None = None, rate: float | None = None
+    ) -> list[str]:
+        """Place the orders ``numbers``, at ``rate`` per second (open loop) or back to back."""
         share = self.o.compensate if compensate is None else compensate
         every = round(1 / share) if share > 0 else 0
         placed = []
-        for n in numbers:
+        started = time.monotonic()
+        for i, n in enumerate(numbers):
+            if rate is not None:
+                # On a fixed schedule: an order placed late does not push the later ones back.
+                time.sleep(max(0.0, started + i / rate - time.monotonic()))
             fail_at = "payment" if every and n % every == 0 else None
             with Session(self.engine) as session, session.begin():
                 request = self.module.sample_order(n, fail_at)

@@ -1,8 +1,9 @@
-"""``saga-engine bench relay`` as users run it: a functional smoke test, never a timing assertion.
+"""``saga-engine bench`` as users run it: functional smoke tests, never a timing assertion.
 
-A tiny run through every phase (write, database ceiling, relay without broker, raw producer,
+A tiny relay run through every phase (write, database ceiling, relay without broker, raw producer,
 relay to Kafka, read-back) must end with one parseable JSON line in which nothing was lost or
-duplicated. How fast it went is the benchmark's business, not the test's.
+duplicated; a small saga run at an offered rate must end every saga as planned. How fast either
+went is the benchmark's business, not the test's.
 """
 
 from __future__ import annotations
@@ -77,3 +78,38 @@ def test_bench_rejects_a_broker_it_cannot_measure(pg_url: str, tmp_path: Path) -
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("saga-engine: error: ")
+
+
+def test_bench_saga_at_an_offered_rate_ends_every_saga(
+    pg_url: str, kafka_url: str, tmp_path: Path
+) -> None:
+    sizes = ["--sagas", "20", "--workers", "1", "--rate", "10"]
+    result = subprocess.run(
+        [*COMMAND, "bench", "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["offered_rate"] == 10
+    assert figures["completed"] + figures["compensated"] == 20
+    assert figures["compensated"] == 2  # one order in ten is declined at payment
+    assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
+    # 20 orders at 10/s take about 2 s to place: the sagas cannot have ended sooner
+    assert figures["elapsed_s"] >= 1.9
+
+
+def test_bench_saga_refuses_a_rate_that_is_not_positive(pg_url: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*COMMAND, "bench", "saga", "--db", pg_url, "--rate", "0"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "saga-engine: error: --rate must be positive"
