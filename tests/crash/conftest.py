@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from saga_engine.testing.tansu import TansuBroker, tansu_binary
 from tests.conftest import unavailable
 from tests.crash import support
-from tests.support.tansu import TansuBroker, tansu_binary
 
 
 @pytest.fixture

@@ -23,9 +23,9 @@ from sqlalchemy import Engine
 
 from saga_engine import clock, schema
 from saga_engine.outbox.notify import APPLICATION_NAME as LISTENER
+from saga_engine.testing.tansu import TansuBroker, free_port, tansu_binary
 from tests.conftest import unavailable
 from tests.crash import support
-from tests.support.tansu import TansuBroker, free_port, tansu_binary
 
 pytestmark = [pytest.mark.crash, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 

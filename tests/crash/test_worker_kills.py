@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from saga_engine.testing.tansu import TansuBroker
 from tests.crash import support
-from tests.support.tansu import TansuBroker
 
 pytestmark = [pytest.mark.crash, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 

