@@ -63,6 +63,11 @@ class Options:
             raise errors.ConfigurationError("--compensate must be within 0..1")
         if self.rate is not None and self.rate <= 0:
             raise errors.ConfigurationError("--rate must be positive")
+        if self.rate is not None and self.peer is not None:
+            # The peer runs flat out: a ratio to a paced run would compare nothing.
+            raise errors.ConfigurationError(
+                "--peer compares throughput, --rate measures latency at a load: choose one"
+            )
 
 
 def run(options: Options, report: Report) -> bool:

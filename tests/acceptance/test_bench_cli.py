@@ -102,9 +102,21 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
     assert figures["elapsed_s"] >= 1.9
 
 
-def test_bench_saga_refuses_a_rate_that_is_not_positive(pg_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        (["--rate", "0"], "--rate must be positive"),
+        (
+            ["--rate", "10", "--peer", "temporal"],
+            "--peer compares throughput, --rate measures latency at a load: choose one",
+        ),
+    ],
+)
+def test_bench_saga_refuses_a_rate_it_cannot_measure(
+    pg_url: str, tmp_path: Path, options: list[str], error: str
+) -> None:
     result = subprocess.run(
-        [*COMMAND, "bench", "saga", "--db", pg_url, "--rate", "0"],
+        [*COMMAND, "bench", "saga", "--db", pg_url, *options],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -112,4 +124,4 @@ def test_bench_saga_refuses_a_rate_that_is_not_positive(pg_url: str, tmp_path: P
         check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "saga-engine: error: --rate must be positive"
+    assert result.stderr.strip() == f"saga-engine: error: {error}"
