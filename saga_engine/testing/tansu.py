@@ -62,8 +62,14 @@ class TansuBroker:
         self.log_path = log_path
 
     @classmethod
-    def start(cls, port: int | None = None, *, timeout: float = 20.0) -> TansuBroker:
-        """Start a broker (on ``port``, else a free one) and wait until it answers metadata."""
+    def start(
+        cls, port: int | None = None, *, timeout: float = 20.0, advertised_port: int | None = None
+    ) -> TansuBroker:
+        """Start a broker (on ``port``, else a free one) and wait until it answers metadata.
+
+        ``advertised_port`` is the port its metadata names instead of its own, e.g. that of a
+        proxy in front of it, so that clients reconnect through the proxy.
+        """
         binary = tansu_binary()
         if binary is None:
             raise TansuNotFound(
@@ -72,22 +78,23 @@ class TansuBroker:
         # A free port can be taken between probing and binding; try another one then.
         attempts = 1 if port is not None else 3
         for attempt in range(attempts):
-            broker = cls._spawn(binary, port or free_port())
+            broker = cls._spawn(binary, port or free_port(), advertised_port)
             try:
                 broker._wait_ready(timeout)
                 return broker
-            except RuntimeError:
+            except BaseException as error:
                 exited_by_itself = broker.process.poll() is not None
                 broker.stop()
-                if attempt == attempts - 1 or not exited_by_itself:
+                lost_the_port = isinstance(error, RuntimeError) and exited_by_itself
+                if attempt == attempts - 1 or not lost_the_port:
                     raise
         raise AssertionError("unreachable")
 
     @classmethod
-    def _spawn(cls, binary: str, port: int) -> TansuBroker:
-        listener = f"tcp://127.0.0.1:{port}"
-        command = [binary, "broker", "--listener-url", listener]
-        command += ["--advertised-listener-url", listener, "--storage-engine", "memory://tansu/"]
+    def _spawn(cls, binary: str, port: int, advertised_port: int | None) -> TansuBroker:
+        advertised = f"tcp://127.0.0.1:{advertised_port or port}"
+        command = [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}"]
+        command += ["--advertised-listener-url", advertised, "--storage-engine", "memory://tansu/"]
         handle, name = tempfile.mkstemp(prefix=f"tansu-{port}-", suffix=".log")
         with os.fdopen(handle, "wb") as log:
             process = subprocess.Popen(

