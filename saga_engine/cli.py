@@ -206,8 +206,6 @@ def run_relay(args: argparse.Namespace) -> int:
 
 
 def register_cleanup(commands: Any) -> None:
-    from saga_engine.inbox import INBOX_RETENTION
-
     parser = commands.add_parser(
         "cleanup", help="delete (or archive) old SENT outbox rows, and prune the inbox"
     )
@@ -218,8 +216,10 @@ def register_cleanup(commands: Any) -> None:
     parser.add_argument(
         "--inbox-retention-days",
         type=float,
-        default=INBOX_RETENTION / timedelta(days=1),
-        help="prune inbox entries older than this; longer than any log a consumer may replay",
+        # Spelled out: importing saga_engine.inbox (and so the schema) here would slow every
+        # command's start by some 40 ms. A unit test holds it to INBOX_RETENTION.
+        help="prune inbox entries older than this (default 30); longer than any log a consumer "
+        "may replay",
     )
     parser.add_argument("--keep-inbox", action="store_true", help="leave the inbox alone")
     parser.set_defaults(run=run_cleanup)
@@ -231,7 +231,10 @@ def run_cleanup(args: argparse.Namespace) -> int:
 
     if args.retention_days < 0:
         raise errors.ConfigurationError("--retention-days must not be negative")
-    if args.inbox_retention_days <= 0 and not args.keep_inbox:
+    inbox_days = args.inbox_retention_days
+    if inbox_days is None:
+        inbox_days = inbox.INBOX_RETENTION / timedelta(days=1)
+    if inbox_days <= 0 and not args.keep_inbox:
         raise errors.ConfigurationError(
             "--inbox-retention-days must be positive (use --keep-inbox to keep every entry)"
         )
@@ -249,7 +252,7 @@ def run_cleanup(args: argparse.Namespace) -> int:
     if not args.keep_inbox:
         pruned = inbox.prune(
             engine,
-            retention=timedelta(days=args.inbox_retention_days),
+            retention=timedelta(days=inbox_days),
             batch_size=args.batch_size,
         )
         report |= {"inbox": pruned.inbox, "inbox_duplicates": pruned.duplicates}
@@ -313,9 +316,12 @@ def parse_participant_dbs(values: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def register_worker(commands: Any) -> None:
-    from saga_engine.worker import ROLES
+#: The worker's roles, spelled out: importing saga_engine.worker here would load the whole engine
+#: (some 180 ms) for every command. A unit test holds them to ``worker.ROLES``.
+WORKER_ROLES = "orchestrator,participants,relay,deadlines,cleanup"
 
+
+def register_worker(commands: Any) -> None:
     parser = commands.add_parser(
         "worker", help="run orchestrators, participants, relays, deadlines"
     )
@@ -324,8 +330,8 @@ def register_worker(commands: Any) -> None:
     add_broker(parser)
     parser.add_argument(
         "--roles",
-        default=",".join(ROLES),
-        help=f"comma-separated subset of {','.join(ROLES)} (default: all)",
+        default=WORKER_ROLES,
+        help=f"comma-separated subset of {WORKER_ROLES} (default: all)",
     )
     parser.add_argument(
         "--participants",

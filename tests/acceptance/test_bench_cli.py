@@ -21,6 +21,18 @@ COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "saga_eng
 pytestmark = [pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
 
+def bench(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``saga-engine bench ARGS`` as a user runs it, its output captured."""
+    return subprocess.run(
+        [*COMMAND, "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(("on_sent", "rounds"), [("mark", 3), ("delete", 1)])
 def test_bench_relay_json_reports_no_loss(
     pg_url: str, kafka_url: str, tmp_path: Path, on_sent: str, rounds: int
@@ -28,24 +40,8 @@ def test_bench_relay_json_reports_no_loss(
     # --log-acks: should anything go missing, the output says where the broker said it put it.
     sizes = ["--messages", "300", "--relays", "2", "--batch-size", "100", "--log-acks"]
     modes = ["--on-sent", on_sent, "--rounds", str(rounds)]
-    result = subprocess.run(
-        [
-            *COMMAND,
-            "bench",
-            "relay",
-            "--db",
-            pg_url,
-            "--broker",
-            kafka_url,
-            *sizes,
-            *modes,
-            "--json",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    result = bench(
+        tmp_path, "relay", "--db", pg_url, "--broker", kafka_url, *sizes, *modes, "--json"
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
@@ -67,14 +63,7 @@ def test_bench_relay_json_reports_no_loss(
 
 
 def test_bench_rejects_a_broker_it_cannot_measure(pg_url: str, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [*COMMAND, "bench", "relay", "--db", pg_url, "--broker", "sql://", "--messages", "10"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = bench(tmp_path, "relay", "--db", pg_url, "--broker", "sql://", "--messages", "10")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().startswith("saga-engine: error: ")
@@ -84,14 +73,7 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
     sizes = ["--sagas", "20", "--workers", "1", "--rate", "10"]
-    result = subprocess.run(
-        [*COMMAND, "bench", "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = bench(tmp_path, "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["offered_rate"] == 10
@@ -115,13 +97,6 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
 def test_bench_saga_refuses_a_rate_it_cannot_measure(
     pg_url: str, tmp_path: Path, options: list[str], error: str
 ) -> None:
-    result = subprocess.run(
-        [*COMMAND, "bench", "saga", "--db", pg_url, *options],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = bench(tmp_path, "saga", "--db", pg_url, *options)
     assert result.returncode == 2
     assert result.stderr.strip() == f"saga-engine: error: {error}"

@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
@@ -103,6 +103,28 @@ def test_both_relay_commands_offer_every_on_sent_choice(on_sent: str) -> None:
     for command in (["relay"], ["bench", "relay"]):
         args = build_parser().parse_args([*command, "--on-sent", on_sent])
         assert args.on_sent == on_sent
+
+
+def test_the_worker_command_offers_every_role() -> None:
+    from saga_engine.cli import WORKER_ROLES, build_parser
+    from saga_engine.worker import ROLES
+
+    assert ",".join(ROLES) == WORKER_ROLES
+    assert build_parser().parse_args(["worker", "--app", "m:app"]).roles == ",".join(ROLES)
+
+
+def test_the_cleanup_command_says_the_inbox_retention_it_applies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The parser spells the default out (importing the inbox would slow every command's start).
+    from saga_engine.cli import build_parser
+    from saga_engine.inbox import INBOX_RETENTION
+
+    assert build_parser().parse_args(["cleanup"]).inbox_retention_days is None  # the default
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cleanup", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {INBOX_RETENTION / timedelta(days=1):g})" in help_text
 
 
 # -- the payload limit, at write time -----------------------------------------------------------
