@@ -6,10 +6,12 @@ speaks SQLAlchemy Core only.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -147,6 +149,64 @@ def check_connection(engine: Engine) -> None:
 def dialect_name(bind: Connection | Engine) -> str:
     name = bind.dialect.name
     return "mysql" if name == "mariadb" else name
+
+
+def delete_in_batches(
+    engine: Engine,
+    batch: Callable[[Connection], Mapping[str, int]],
+    max_batches: int | None = None,
+) -> tuple[collections.Counter[str], int]:
+    """Run ``batch`` in a transaction of its own until one deletes nothing, or ``max_batches``.
+
+    ``batch`` deletes a bounded number of rows and says how many, by name (a table, or what
+    became of them); back come the sums and the number of batches that deleted any. Each batch
+    commits on its own, so pruning a large table never holds a long lock or builds one huge undo
+    log, and a pruner stopped half-way has kept what it did.
+    """
+    totals: collections.Counter[str] = collections.Counter()
+    batches = 0
+    while max_batches is None or batches < max_batches:
+        with engine.begin() as conn:
+            counts = batch(conn)
+        if not any(counts.values()):
+            break
+        totals.update(counts)
+        batches += 1
+    return totals, batches
+
+
+def delete_older_than(
+    engine: Engine,
+    column: sa.Column[Any],
+    retention: timedelta,
+    *,
+    now: datetime,
+    batch_size: int = 1000,
+    max_batches: int | None = None,
+) -> int:
+    """Delete the rows of ``column``'s table whose ``column`` is more than ``retention`` before
+    ``now``, oldest first, ``batch_size`` at a time (see :func:`delete_in_batches`); returns how
+    many. Rows whose ``column`` is NULL are never deleted.
+
+    ``column`` should lead an index, or every batch reads the whole table. The table's key is
+    selected first and deleted by value: DELETE ... LIMIT is MySQL-only.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    if retention <= timedelta(0):
+        raise ValueError("retention must be positive")
+    table = column.table
+    (key,) = table.primary_key.columns
+    oldest = sa.select(key).where(column < now - retention).order_by(column).limit(batch_size)
+
+    def batch(conn: Connection) -> dict[str, int]:
+        keys = conn.scalars(oldest).all()
+        return {
+            "deleted": conn.execute(sa.delete(table).where(key.in_(keys))).rowcount if keys else 0
+        }
+
+    totals, _ = delete_in_batches(engine, batch, max_batches)
+    return totals["deleted"]
 
 
 def insert_ignoring_duplicates(

@@ -116,21 +116,19 @@ def prune(
         .limit(batch_size)
     )
     duplicate_ids = sa.select(d.c.id).where(d.c.seen_at < cutoff).order_by(d.c.id).limit(batch_size)
-    inbox = duplicates = batches = 0
-    while max_batches is None or batches < max_batches:
-        with engine.begin() as conn:
-            # Keys first, then DELETE ... IN: DELETE ... LIMIT is MySQL-only.
-            keys = [tuple(row) for row in conn.execute(inbox_keys)]
-            ids = conn.scalars(duplicate_ids).all()
-            if not keys and not ids:
-                break
-            if keys:
-                pair = sa.tuple_(i.c.consumer, i.c.message_id)
-                inbox += conn.execute(sa.delete(i).where(pair.in_(keys))).rowcount
-            if ids:
-                duplicates += conn.execute(sa.delete(d).where(d.c.id.in_(ids))).rowcount
-        batches += 1
-    return PruneResult(inbox, duplicates, batches)
+
+    def batch(conn: Connection) -> dict[str, int]:
+        # Keys first, then DELETE ... IN: DELETE ... LIMIT is MySQL-only.
+        keys = [tuple(row) for row in conn.execute(inbox_keys)]
+        ids = conn.scalars(duplicate_ids).all()
+        pair = sa.tuple_(i.c.consumer, i.c.message_id)
+        return {
+            "inbox": conn.execute(sa.delete(i).where(pair.in_(keys))).rowcount if keys else 0,
+            "duplicates": conn.execute(sa.delete(d).where(d.c.id.in_(ids))).rowcount if ids else 0,
+        }
+
+    totals, batches = db.delete_in_batches(engine, batch, max_batches)
+    return PruneResult(totals["inbox"], totals["duplicates"], batches)
 
 
 class RedisClient(Protocol):

@@ -10,12 +10,13 @@ cheaper still; docs/outbox.md shows how.
 from __future__ import annotations
 
 import dataclasses
-from datetime import timedelta
+from collections.abc import Sequence
+from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from saga_engine import clock, schema
+from saga_engine import clock, db, schema
 
 t = schema.outbox
 h = schema.outbox_history
@@ -42,31 +43,36 @@ def cleanup(
     if batch_size < 1:
         raise ValueError("batch_size must be positive")
     now = clock.now()
-    cutoff = now - retention
-    deleted = archived = batches = 0
-    while max_batches is None or batches < max_batches:
-        with engine.begin() as conn:
-            # Select the ids first: DELETE ... LIMIT is MySQL-only, and the id list bounds the batch
-            # on every database.
-            ids = conn.scalars(
-                sa.select(t.c.id)
-                .where(t.c.status == schema.OutboxStatus.SENT, t.c.sent_at < cutoff)
-                .order_by(t.c.id)
-                .limit(batch_size)
-            ).all()
-            if not ids:
-                break
-            if archive:
-                source = sa.select(
-                    *[t.c[name] for name in HISTORY_COLUMNS],
-                    sa.literal(now, schema.Timestamp).label("archived_at"),
-                )
-                conn.execute(
-                    h.insert().from_select(
-                        [*HISTORY_COLUMNS, "archived_at"], source.where(t.c.id.in_(ids))
-                    )
-                )
-                archived += len(ids)
-            deleted += conn.execute(sa.delete(t).where(t.c.id.in_(ids))).rowcount
-        batches += 1
-    return CleanupResult(deleted, archived, batches)
+    # Select the ids first: DELETE ... LIMIT is MySQL-only, and the id list bounds the batch on
+    # every database.
+    oldest = (
+        sa.select(t.c.id)
+        .where(t.c.status == schema.OutboxStatus.SENT, t.c.sent_at < now - retention)
+        .order_by(t.c.id)
+        .limit(batch_size)
+    )
+
+    def batch(conn: sa.Connection) -> dict[str, int]:
+        ids = conn.scalars(oldest).all()
+        if not ids:
+            return {}
+        archived = _archive(conn, ids, now) if archive else 0
+        return {
+            "deleted": conn.execute(sa.delete(t).where(t.c.id.in_(ids))).rowcount,
+            "archived": archived,
+        }
+
+    totals, batches = db.delete_in_batches(engine, batch, max_batches)
+    return CleanupResult(totals["deleted"], totals["archived"], batches)
+
+
+def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:
+    """Copy the rows ``ids`` to ``outbox_history``, stamped ``now``."""
+    source = sa.select(
+        *[t.c[name] for name in HISTORY_COLUMNS],
+        sa.literal(now, schema.Timestamp).label("archived_at"),
+    )
+    conn.execute(
+        h.insert().from_select([*HISTORY_COLUMNS, "archived_at"], source.where(t.c.id.in_(ids)))
+    )
+    return len(ids)
