@@ -131,6 +131,7 @@ dead_letters = sa.Table(
     sa.Column("raw", LongBytes, nullable=False),
     sa.Column("created_at", Timestamp, nullable=False),
     sa.Index(None, "consumer", "created_at"),
+    sa.Index(None, "created_at"),  # pruning finds the oldest (saga_engine.deadletter.prune)
 )
 
 transport_messages = sa.Table(
@@ -177,6 +178,7 @@ saga_instances = sa.Table(
     sa.Column("ended_at", Timestamp),
     sa.Index(None, "deadline"),
     sa.Index(None, "saga_type", "state"),
+    sa.Index(None, "ended_at"),  # pruning finds the longest ended (saga_engine.store.prune_ended)
 )
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
-from saga_engine import errors, schema
+from saga_engine import clock, db, errors, schema
 
 s = schema.saga_instances
 
@@ -107,3 +107,25 @@ def counts(conn: Connection) -> dict[str, dict[str, int]]:
     ):
         out.setdefault(saga_type, {})[state] = int(n)
     return out
+
+
+def prune_ended(
+    engine: Engine,
+    *,
+    retention: timedelta,
+    batch_size: int = 1000,
+    clock: clock.Clock = clock.SYSTEM,
+    max_batches: int | None = None,
+) -> int:
+    """Delete sagas that ended (COMPLETED, COMPENSATED or FAILED) more than ``retention`` ago,
+    ``batch_size`` at a time; returns how many. A saga still running has no ``ended_at`` and is
+    never touched, however old. A reply that arrives for a deleted saga becomes a dead letter
+    (``unknown saga id``), so keep sagas longer than the inbox remembers message ids."""
+    return db.delete_older_than(
+        engine,
+        s.c.ended_at,
+        retention,
+        now=clock.now(),
+        batch_size=batch_size,
+        max_batches=max_batches,
+    )

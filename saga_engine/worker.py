@@ -2,9 +2,10 @@
 
 Roles: ``orchestrator`` (applies replies), ``participants`` (runs command handlers), ``relay`` (one
 per database that has an outbox), ``deadlines`` (timeouts and back-offs), ``cleanup`` (old SENT
-rows, old inbox entries). Any number of workers can run at once: consumers share channels through
-consumer groups (Kafka) or row leases (SQL transport), relays through SKIP LOCKED or leases,
-deadlines through the instances' version check. A stop request lets every loop finish the batch in hand.
+rows, old inbox entries; ended sagas and old dead letters when given a retention). Any number of
+workers can run at once: consumers share channels through consumer groups (Kafka) or row leases
+(SQL transport), relays through SKIP LOCKED or leases, deadlines through the instances' version
+check. A stop request lets every loop finish the batch in hand.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from datetime import timedelta
 
 from sqlalchemy import Engine, exc
 
-from saga_engine import db, errors, inbox, store, transport
+from saga_engine import db, deadletter, errors, inbox, store, transport
 from saga_engine.app import App
 from saga_engine.consumer import MessageConsumer
 from saga_engine.outbox import cleanup
@@ -90,11 +91,21 @@ class WorkerOptions:
     retention: timedelta = timedelta(days=7)
     #: Inbox entries older than this are pruned by the cleanup role; None keeps them all.
     inbox_retention: timedelta | None = inbox.INBOX_RETENTION
+    #: Sagas that ended longer ago than this are deleted by the cleanup role; None (the default)
+    #: keeps them: they may be business records.
+    saga_retention: timedelta | None = None
+    #: Dead letters older than this are deleted by the cleanup role; None (the default) keeps
+    #: them until an operator deletes them.
+    dead_letter_retention: timedelta | None = None
     relay_wake_interval: float = RELAY_WAKE_INTERVAL
 
     def __post_init__(self) -> None:
-        if self.inbox_retention is not None and self.inbox_retention <= timedelta(0):
-            raise errors.ConfigurationError("inbox_retention must be positive, or None to keep all")
+        if self.retention < timedelta(0):
+            raise errors.ConfigurationError("retention must not be negative")
+        for name in ("inbox_retention", "saga_retention", "dead_letter_retention"):
+            value = getattr(self, name)
+            if value is not None and value <= timedelta(0):
+                raise errors.ConfigurationError(f"{name} must be positive, or None to keep all")
         unknown = set(self.roles) - set(ROLES)
         if unknown:
             raise errors.ConfigurationError(
@@ -259,13 +270,21 @@ class Worker:
         while not stop.wait(self.options.cleanup_interval):
             for engine in list(self.engines.values()):
                 try:
-                    cleanup.cleanup(engine, retention=self.options.retention, clock=self.app.clock)
-                    if self.options.inbox_retention is not None:
-                        inbox.prune(
-                            engine, retention=self.options.inbox_retention, clock=self.app.clock
-                        )
+                    self.clean(engine)
                 except exc.SQLAlchemyError as error:
                     log.warning("cleanup failed: %s", str(error).splitlines()[0])
+
+    def clean(self, engine: Engine) -> None:
+        """One cleanup pass over one of the worker's databases: whatever each retention lets go."""
+        options, clock = self.options, self.app.clock
+        cleanup.cleanup(engine, retention=options.retention, clock=clock)
+        if options.inbox_retention is not None:
+            inbox.prune(engine, retention=options.inbox_retention, clock=clock)
+        if options.dead_letter_retention is not None:
+            deadletter.prune(engine, retention=options.dead_letter_retention, clock=clock)
+        # Sagas live in the orchestrator's database only.
+        if options.saga_retention is not None and engine is self.main_engine and self.app.sagas:
+            store.prune_ended(engine, retention=options.saga_retention, clock=clock)
 
     # -- running --------------------------------------------------------------------------------
 
