@@ -7,6 +7,7 @@ status 2, with passwords hidden; only a bug shows a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -207,57 +208,126 @@ def run_relay(args: argparse.Namespace) -> int:
 
 def register_cleanup(commands: Any) -> None:
     parser = commands.add_parser(
-        "cleanup", help="delete (or archive) old SENT outbox rows, and prune the inbox"
+        "cleanup",
+        help="delete (or archive) old SENT outbox rows; prune the inbox, ended sagas, dead letters",
     )
     add_db(parser)
-    parser.add_argument("--retention-days", type=float, default=7.0)
+    add_retention(parser)
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--archive", action="store_true", help="copy to outbox_history first")
-    parser.add_argument(
-        "--inbox-retention-days",
-        type=float,
-        # Spelled out: importing saga_engine.inbox (and so the schema) here would slow every
-        # command's start by some 40 ms. A unit test holds it to INBOX_RETENTION.
-        help="prune inbox entries older than this (default 30); longer than any log a consumer "
-        "may replay",
-    )
-    parser.add_argument("--keep-inbox", action="store_true", help="leave the inbox alone")
     parser.set_defaults(run=run_cleanup)
 
 
+#: The inbox's default retention, spelled out: importing saga_engine.inbox (and so the schema)
+#: here would slow every command's start by some 40 ms. A unit test holds it to
+#: ``inbox.INBOX_RETENTION``.
+INBOX_RETENTION_DAYS = 30.0
+
+
+def add_retention(parser: argparse.ArgumentParser) -> None:
+    """How long the cleanup (the command, or the worker's role) keeps what it prunes."""
+    group = parser.add_argument_group("retention (days; fractions allowed)")
+    group.add_argument(
+        "--retention-days",
+        type=float,
+        default=7.0,
+        metavar="DAYS",
+        help="SENT outbox rows (default 7)",
+    )
+    group.add_argument(
+        "--inbox-retention-days",
+        type=float,
+        metavar="DAYS",
+        help=f"inbox entries (default {INBOX_RETENTION_DAYS:g}); longer than any log a consumer "
+        "may replay",
+    )
+    group.add_argument("--keep-inbox", action="store_true", help="leave the inbox alone")
+    group.add_argument(
+        "--saga-retention-days",
+        type=float,
+        metavar="DAYS",
+        help="sagas that ended (default: keep them); running sagas are never pruned",
+    )
+    group.add_argument(
+        "--dead-letter-retention-days",
+        type=float,
+        metavar="DAYS",
+        help="dead letters (default: keep them until an operator deletes them)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+    """The retentions of :func:`add_retention`'s options; None keeps everything."""
+
+    outbox: timedelta
+    inbox: timedelta | None
+    sagas: timedelta | None
+    dead_letters: timedelta | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Retention:
+        if args.retention_days < 0:
+            raise errors.ConfigurationError("--retention-days must not be negative")
+        inbox_days = args.inbox_retention_days
+        if inbox_days is None:
+            inbox_days = INBOX_RETENTION_DAYS
+        # Zero would prune every inbox entry at once, while they still guard against redelivery.
+        inbox_hint = " (use --keep-inbox to keep every entry)"
+        return cls(
+            outbox=timedelta(days=args.retention_days),
+            inbox=None
+            if args.keep_inbox
+            else _days("--inbox-retention-days", inbox_days, inbox_hint),
+            sagas=_days("--saga-retention-days", args.saga_retention_days),
+            dead_letters=_days("--dead-letter-retention-days", args.dead_letter_retention_days),
+        )
+
+
+def _days(option: str, days: float | None, hint: str = "") -> timedelta | None:
+    """``days`` as a retention; None (not given) keeps everything."""
+    if days is None:
+        return None
+    if days <= 0:
+        raise errors.ConfigurationError(f"{option} must be positive{hint}")
+    return timedelta(days=days)
+
+
 def run_cleanup(args: argparse.Namespace) -> int:
-    from saga_engine import inbox
+    from saga_engine import deadletter, inbox, store
     from saga_engine.outbox.cleanup import cleanup
 
-    if args.retention_days < 0:
-        raise errors.ConfigurationError("--retention-days must not be negative")
-    inbox_days = args.inbox_retention_days
-    if inbox_days is None:
-        inbox_days = inbox.INBOX_RETENTION / timedelta(days=1)
-    if inbox_days <= 0 and not args.keep_inbox:
-        raise errors.ConfigurationError(
-            "--inbox-retention-days must be positive (use --keep-inbox to keep every entry)"
-        )
+    retention = Retention.from_args(args)
     tables = (*OUTBOX_TABLES, "outbox_history") if args.archive else OUTBOX_TABLES
-    if not args.keep_inbox:
+    if retention.inbox is not None:
         tables = (*tables, "inbox_messages", "inbox_duplicates")
+    if retention.dead_letters is not None:
+        tables = (*tables, "dead_letters")
     engine = open_engine(args.db, tables=tables)
     result = cleanup(
-        engine,
-        retention=timedelta(days=args.retention_days),
-        batch_size=args.batch_size,
-        archive=args.archive,
+        engine, retention=retention.outbox, batch_size=args.batch_size, archive=args.archive
     )
     report: dict[str, int] = dict(result.__dict__)
-    if not args.keep_inbox:
-        pruned = inbox.prune(
-            engine,
-            retention=timedelta(days=inbox_days),
-            batch_size=args.batch_size,
-        )
+    if retention.inbox is not None:
+        pruned = inbox.prune(engine, retention=retention.inbox, batch_size=args.batch_size)
         report |= {"inbox": pruned.inbox, "inbox_duplicates": pruned.duplicates}
+    # Only the orchestrator's database holds sagas: a participant's has none to prune.
+    if retention.sagas is not None and _has_table(engine, "saga_instances"):
+        report["sagas"] = store.prune_ended(
+            engine, retention=retention.sagas, batch_size=args.batch_size
+        )
+    if retention.dead_letters is not None:
+        report["dead_letters"] = deadletter.prune(
+            engine, retention=retention.dead_letters, batch_size=args.batch_size
+        )
     print_json(report)
     return 0
+
+
+def _has_table(engine: Any, name: str) -> bool:
+    import sqlalchemy as sa
+
+    return bool(sa.inspect(engine).has_table(name))
 
 
 def register_outbox(commands: Any) -> None:
@@ -346,6 +416,7 @@ def register_worker(commands: Any) -> None:
         metavar="NAME=URL",
         help="a participant's own database (repeatable)",
     )
+    add_retention(parser)
     parser.set_defaults(run=run_worker)
 
 
@@ -353,12 +424,17 @@ def run_worker(args: argparse.Namespace) -> int:
     from saga_engine.worker import Worker, WorkerOptions
 
     app = load_app(args.app)
+    retention = Retention.from_args(args)
     options = WorkerOptions(
         db_url=args.db,
         broker_url=args.broker,
         roles=[r.strip() for r in args.roles.split(",") if r.strip()],
         participants=args.participants.split(",") if args.participants else None,
         participant_dbs=parse_participant_dbs(args.participant_db),
+        retention=retention.outbox,
+        inbox_retention=retention.inbox,
+        saga_retention=retention.sagas,
+        dead_letter_retention=retention.dead_letters,
     )
     worker = Worker(app, options)
     # Every database the worker will use, connected and checked now rather than by a loop that

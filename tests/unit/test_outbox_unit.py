@@ -113,18 +113,29 @@ def test_the_worker_command_offers_every_role() -> None:
     assert build_parser().parse_args(["worker", "--app", "m:app"]).roles == ",".join(ROLES)
 
 
-def test_the_cleanup_command_says_the_inbox_retention_it_applies(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("command", ["cleanup", "worker"])
+def test_the_cleanup_and_worker_commands_say_the_retentions_they_apply(
+    capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
-    # The parser spells the default out (importing the inbox would slow every command's start).
-    from saga_engine.cli import build_parser
+    # The parser spells the defaults out (importing the inbox would slow every command's start).
+    from saga_engine.cli import Retention, build_parser
     from saga_engine.inbox import INBOX_RETENTION
+    from saga_engine.worker import WorkerOptions
 
-    assert build_parser().parse_args(["cleanup"]).inbox_retention_days is None  # the default
+    argv = [command, "--app", "m:app"] if command == "worker" else [command]
+    args = build_parser().parse_args(argv)
+    assert (args.inbox_retention_days, args.saga_retention_days) == (None, None)  # the defaults
+    assert Retention.from_args(args) == Retention(
+        outbox=WorkerOptions(db_url="").retention,
+        inbox=INBOX_RETENTION,
+        sagas=None,
+        dead_letters=None,
+    )
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["cleanup", "--help"])
+        build_parser().parse_args([command, "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert f"(default {INBOX_RETENTION / timedelta(days=1):g})" in help_text
+    assert f"inbox entries (default {INBOX_RETENTION / timedelta(days=1):g})" in help_text
+    assert "sagas that ended (default: keep them)" in help_text
 
 
 # -- the payload limit, at write time -----------------------------------------------------------
