@@ -14,7 +14,9 @@ Revisions are frozen: they must not import saga_engine.schema, whose tables keep
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0006"
@@ -22,19 +24,26 @@ down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-INDEXES = (
-    ("saga_instances", "ix_saga_instances_ended_at", "ended_at"),
-    ("dead_letters", "ix_dead_letters_created_at", "created_at"),
+# Only ended sagas, where the database has partial indexes (MySQL and MariaDB index every row):
+# each step of a running saga rewrites its row, and a full index would take an entry every time.
+ENDED_ONLY: dict[str, Any] = {
+    "postgresql_where": sa.text("ended_at IS NOT NULL"),
+    "sqlite_where": sa.text("ended_at IS NOT NULL"),
+}
+
+INDEXES: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("saga_instances", "ix_saga_instances_ended_at", "ended_at", ENDED_ONLY),
+    ("dead_letters", "ix_dead_letters_created_at", "created_at", {}),
 )
 
 
 def upgrade() -> None:
-    for table, name, column in INDEXES:
+    for table, name, column, where in INDEXES:
         with op.batch_alter_table(table, schema=None) as batch_op:
-            batch_op.create_index(name, [column], unique=False)
+            batch_op.create_index(name, [column], unique=False, **where)
 
 
 def downgrade() -> None:
-    for table, name, _ in reversed(INDEXES):
+    for table, name, _, _ in reversed(INDEXES):
         with op.batch_alter_table(table, schema=None) as batch_op:
             batch_op.drop_index(name)
