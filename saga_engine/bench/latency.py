@@ -221,11 +221,29 @@ class Bench:
             commits = [c for result in written for c in result["commits"]]
             relay.wait_progress(len(commits), 60)
             busy = cpu.busy()
-            relay.finish()
+            (relayed,) = relay.finish()
         finally:
             relay.kill()
             writers.kill()
+        self._relay_cost(key, relayed)
         return self._latencies(key, commits, written, busy)
+
+    def _relay_cost(self, key: str, relayed: dict[str, Any]) -> None:
+        # What a wake-up costs: at a low rate nearly every commit starts a pass of its own.
+        published = max(relayed["published"], 1)
+        report = self.report
+        report.figure(f"{key}_relay_passes", len(relayed["passes"]), "relay passes that published")
+        report.figure(
+            f"{key}_messages_per_pass",
+            published / max(len(relayed["passes"]), 1),
+            "messages per pass",
+        )
+        report.figure(
+            f"{key}_relay_cpu_ms_per_message",
+            1000 * relayed["cpu_s"] / published,
+            "relay process CPU per message",
+            "ms",
+        )
 
     def _latencies(
         self, key: str, commits: list[Any], written: list[dict[str, Any]], busy: float

@@ -100,3 +100,30 @@ def test_bench_saga_refuses_a_rate_it_cannot_measure(
     result = bench(tmp_path, "saga", "--db", pg_url, *options)
     assert result.returncode == 2
     assert result.stderr.strip() == f"saga-engine: error: {error}"
+
+
+def test_bench_latency_delivers_every_message_in_both_modes(
+    pg_url: str, kafka_url: str, tmp_path: Path
+) -> None:
+    sizes = ["--rate", "200", "--seconds", "1", "--writers", "1", "--threads", "2"]
+    fast = ["--poll-interval", "0.2", "--overhead-samples", "20"]
+    result = bench(
+        tmp_path, "latency", "--db", pg_url, "--broker", kafka_url, *sizes, *fast, "--json"
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "latency"
+    assert figures["overhead_samples"] == 20
+    for mode in ("notify", "polling"):
+        assert figures[f"{mode}_messages"] == 200  # 1 writer, 2 threads, 200 msg/s for 1 s
+        assert figures[f"{mode}_not_sent"] == 0
+        passes = figures[f"{mode}_relay_passes"]
+        assert 1 <= passes <= 200
+        assert figures[f"{mode}_messages_per_pass"] * passes == pytest.approx(200, rel=0.01)
+        assert figures[f"{mode}_relay_cpu_ms_per_message"] > 0
+        assert (
+            0 < figures[f"{mode}_p50_ms"] <= figures[f"{mode}_p99_ms"] <= figures[f"{mode}_max_ms"]
+        )
+    # polling every 0.2 s with 1 s of writes: a handful of passes, each with many messages
+    assert figures["polling_relay_passes"] < figures["notify_relay_passes"]
+    assert set(figures["targets"]) == {"notify_p50", "notify_p99", "polling_p99", "write_overhead"}
