@@ -230,17 +230,15 @@ class Bench:
 
     def _relay_cost(self, key: str, relayed: dict[str, Any]) -> None:
         # What a wake-up costs: at a low rate nearly every commit starts a pass of its own.
-        published = max(relayed["published"], 1)
+        published, passes = relayed["published"], len(relayed["passes"])
         report = self.report
-        report.figure(f"{key}_relay_passes", len(relayed["passes"]), "relay passes that published")
+        report.figure(f"{key}_relay_passes", passes, "relay passes that published")
         report.figure(
-            f"{key}_messages_per_pass",
-            published / max(len(relayed["passes"]), 1),
-            "messages per pass",
+            f"{key}_messages_per_pass", published / passes if passes else 0.0, "messages per pass"
         )
         report.figure(
             f"{key}_relay_cpu_ms_per_message",
-            1000 * relayed["cpu_s"] / published,
+            1000 * relayed["cpu_s"] / published if published else 0.0,
             "relay process CPU per message",
             "ms",
         )
