@@ -259,6 +259,12 @@ def test_a_large_claim_plans_its_statements_for_their_own_parameters(pg_url: str
         engine.dispose()
 
 
+def analyze_while_empty(engine: sa.Engine) -> None:
+    """``VACUUM (ANALYZE)`` the empty outbox: the statistics of a queue at a quiet moment."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.exec_driver_sql("VACUUM (ANALYZE) outbox_messages")
+
+
 def plan_cache_mode(conn: sa.Connection) -> str | None:
     return conn.exec_driver_sql("SHOW plan_cache_mode").scalar()
 
@@ -271,8 +277,7 @@ def test_a_relays_own_pool_plans_each_pass_for_the_table_as_it_is(pg_url: str) -
     config = RelayConfig(pool_size=1)
     own = Relay.for_database(pg_url, MemoryTransport(), config, clock=ClockDouble(LATER))
     try:
-        with plain.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("VACUUM (ANALYZE) outbox_messages")  # analyzed while empty
+        analyze_while_empty(plain)
         shared = Relay(plain, MemoryTransport(), config, clock=ClockDouble(LATER))
         for relay in (shared, own):
             for i in range(PASSES):
@@ -305,6 +310,51 @@ def test_a_relays_own_pool_needs_no_set_local_for_a_large_claim(pg_url: str) -> 
     finally:
         plain.dispose()
         relay.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_relays_own_pool_flags_the_dead_entries_a_bitmap_scan_visits_on_every_claim(
+    pg_url: str,
+) -> None:
+    """Each marked row leaves a dead entry in the indexes of PENDING rows until VACUUM. A bitmap
+    scan (what the planner picks for the claim on statistics of an empty outbox) visits each such
+    entry on every claim and never flags it. The relay's own sessions use plain index scans,
+    which flag a dead entry on their first visit, so that every later scan skips it."""
+    plain = db.create_engine(pg_url, pool_size=1)
+    config = RelayConfig(pool_size=1)
+    own = Relay.for_database(pg_url, MemoryTransport(), config, clock=ClockDouble(LATER))
+    try:
+        analyze_while_empty(plain)
+        write(plain, [envelope(f"k{i}") for i in range(20_000)])
+        with plain.begin() as conn:  # as relays would, leaving 20,000 dead entries
+            conn.execute(sa.update(t).values(status=SENT, sent_at=LATER))
+        write(plain, [envelope("last")])
+        other = claim_plan(plain)
+        assert "Bitmap" in other
+        first = claim_plan(own.engine)
+        assert "Bitmap" not in first
+        again = claim_plan(own.engine)
+        assert buffers(again) * 5 < buffers(other)  # the dead entries flagged, then skipped
+        assert buffers(again) * 5 < buffers(first)
+    finally:
+        plain.dispose()
+        own.engine.dispose()
+
+
+def claim_plan(engine: sa.Engine) -> str:
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of the relay's claim in one of ``engine``'s sessions."""
+    with engine.begin() as conn:
+        sql = claims.statements(conn).claim.compile(dialect=conn.dialect)
+        lines = conn.exec_driver_sql(
+            f"EXPLAIN (ANALYZE, BUFFERS) {sql}", {"now": LATER, "limit": 500}
+        ).scalars()
+        return "\n".join(lines)
+
+
+def buffers(plan: str) -> int:
+    """The shared buffers the whole statement touched (the plan's first ``Buffers:`` line)."""
+    line = next(line for line in plan.splitlines() if "Buffers: shared" in line)
+    return sum(int(part.split("=")[1]) for part in line.split(":")[1].split() if "=" in part)
 
 
 #: psycopg prepares a statement on its 5th execution, and PostgreSQL plans the first 5 executions
