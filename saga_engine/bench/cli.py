@@ -21,6 +21,7 @@ def register(commands: Any) -> None:
     _saga(sub)
     _latency(sub)
     _memory(sub)
+    _pass(sub)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -209,6 +210,42 @@ def run_memory(args: argparse.Namespace) -> int:
         keep_db=args.keep_db,
     )
     return _run("memory", args, lambda report: memory.run(options, report))
+
+
+def _pass(sub: Any) -> None:
+    parser = sub.add_parser("pass", help="one relay pass, statement by statement, on its own")
+    _common(parser)
+    parser.add_argument(
+        "--rows",
+        type=_sizes,
+        default=(1, 15, 300),
+        metavar="N[,N...]",
+        help="rows per pass, one run of passes for each (default 1,15,300)",
+    )
+    parser.add_argument("--passes", type=int, default=200, help="timed passes per size")
+    parser.add_argument("--on-sent", default="mark", choices=["mark", "delete"])
+    parser.set_defaults(run=run_pass)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of row counts: {text!r}") from None
+
+
+def run_pass(args: argparse.Namespace) -> int:
+    from saga_engine.bench import passes
+
+    options = passes.Options(
+        db=args.db,
+        broker=args.broker,
+        rows=args.rows,
+        passes=args.passes,
+        on_sent=args.on_sent,
+        keep_db=args.keep_db,
+    )
+    return _run("pass", args, lambda report: passes.run(options, report))
 
 
 def _run(name: str, args: argparse.Namespace, bench: Any) -> int:

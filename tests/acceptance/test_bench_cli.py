@@ -127,3 +127,29 @@ def test_bench_latency_delivers_every_message_in_both_modes(
     # polling every 0.2 s with 1 s of writes: a handful of passes, each with many messages
     assert figures["polling_relay_passes"] < figures["notify_relay_passes"]
     assert set(figures["targets"]) == {"notify_p50", "notify_p99", "polling_p99", "write_overhead"}
+
+
+def test_bench_pass_times_every_step_of_each_size(
+    pg_url: str, kafka_url: str, tmp_path: Path
+) -> None:
+    sizes = ["--rows", "1,20", "--passes", "5"]
+    result = bench(tmp_path, "pass", "--db", pg_url, "--broker", kafka_url, *sizes, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["bench"] == "pass"
+    assert figures["passes"] == 5
+    for rows in (1, 20):
+        steps = [
+            figures[f"rows_{rows}_{step}_ms"] for step in ("claim", "guard", "publish", "mark")
+        ]
+        assert all(step > 0 for step in steps)
+        assert sum(steps) < figures[f"rows_{rows}_pass_ms"] <= figures[f"rows_{rows}_pass_p99_ms"]
+        cpu = figures[f"rows_{rows}_cpu_ms"]
+        assert figures[f"rows_{rows}_cpu_ms_per_message"] == pytest.approx(cpu / rows, rel=0.01)
+    assert figures["targets"] == {}  # a profile, not a target
+
+
+def test_bench_pass_refuses_a_size_larger_than_a_batch(pg_url: str, tmp_path: Path) -> None:
+    result = bench(tmp_path, "pass", "--db", pg_url, "--rows", "1,501")
+    assert result.returncode == 2
+    assert "--rows: sizes from 1 to 500" in result.stderr
