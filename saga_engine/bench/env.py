@@ -24,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from saga_engine import db, errors
+from saga_engine import db, errors, schema
 from saga_engine.testing.tansu import TansuBroker, TansuNotFound, free_port
 
 DEFAULT_DB = os.environ.get(
@@ -85,6 +85,13 @@ def _migrate(url: str) -> None:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def empty_outbox(engine: sa.Engine) -> None:
+    """Delete every outbox row and vacuum the table: a phase starts from an empty outbox."""
+    with engine.begin() as conn:
+        conn.execute(sa.delete(schema.outbox))
+    vacuum(engine, schema.outbox.name)
 
 
 def vacuum(engine: sa.Engine, table: str) -> None:

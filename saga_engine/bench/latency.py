@@ -169,9 +169,7 @@ class Bench:
             "with the outbox, p99",
             "ms",
         )
-        with self.engine.begin() as conn:  # not for delivery: the modes start from an empty outbox
-            conn.execute(sa.delete(t))
-        env.vacuum(self.engine, t.name)
+        env.empty_outbox(self.engine)  # not for delivery: the modes start from an empty outbox
 
     # -- one delivery mode ----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
 
-from saga_engine import errors, schema
+from saga_engine import errors
 from saga_engine.bench import env, workload
 from saga_engine.bench.procs import warm_up
 from saga_engine.bench.report import Report, percentile
@@ -137,10 +137,11 @@ class Bench:
         o, report = self.o, self.report
         report.figure("passes", o.passes, "timed passes per size")
         report.figure("on_sent", o.on_sent, "acknowledged rows are")
-        relay_engine = relays.relay_engine(self.url, RelayConfig().pool_size)
+        config = RelayConfig(on_sent=o.on_sent)
+        relay_engine = relays.relay_engine(self.url, config.pool_size)
         clock = StepClock(relay_engine)
         transport = TimedTransport(_transport(self.broker.url), clock)
-        relay = Relay(relay_engine, transport, RelayConfig(on_sent=o.on_sent))
+        relay = Relay(relay_engine, transport, config)
         try:
             sizes = [self._size(relay, clock, rows) for rows in o.rows]  # every size, always
             return all(sizes)
@@ -151,7 +152,7 @@ class Bench:
     def _size(self, relay: Relay, clock: StepClock, rows: int) -> bool:
         report, key, passes = self.report, f"rows_{rows}", self.o.passes
         report.section(f"{rows} row(s) per pass, {passes} passes, nothing else running")
-        self._empty_outbox()
+        env.empty_outbox(self.engine)  # whatever ran before this size
         healthy = True
         for _ in range(WARM_UP_PASSES):  # connections, prepared statements, topic metadata
             healthy &= self._pass(relay, rows).published == rows
@@ -180,12 +181,6 @@ class Bench:
         cpu, wall = time.process_time(), time.perf_counter()
         outcome = relay.run_once()
         return TimedPass(outcome.published, time.perf_counter() - wall, time.process_time() - cpu)
-
-    def _empty_outbox(self) -> None:
-        """Each size starts from an empty, vacuumed outbox, whatever ran before it."""
-        with self.engine.begin() as conn:
-            conn.execute(sa.delete(schema.outbox))
-        env.vacuum(self.engine, schema.outbox.name)
 
     def _write(self, rows: int) -> None:
         first, self.written = self.written, self.written + rows

@@ -353,8 +353,9 @@ def relay_engine(db_url: str, pool_size: int) -> Engine:
     Its sessions also use no bitmap scans. Every marked or deleted row leaves a dead entry in the
     indexes of PENDING rows until VACUUM removes it. A plain index scan visits such an entry once
     and flags it dead, and later scans skip it; a bitmap scan never flags one, so it visits every
-    entry no plain scan flagged, on every claim. With statistics from a quiet moment the planner chose bitmap scans for
-    the claim, and after 100,000 rows were marked a claim of one row took 25 ms instead of 1.1.
+    entry no plain scan flagged, on every claim. With statistics from a quiet moment the planner
+    chose bitmap scans for the claim, and after 100,000 rows were marked a claim of one row took
+    25 ms instead of 1.1.
     """
     engine = db.create_engine(db_url, pool_size=pool_size)
     if engine.dialect.name == "postgresql":
