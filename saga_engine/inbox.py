@@ -54,8 +54,8 @@ class Inbox:
         # Sorted, so that two transactions recording overlapping batches take the unique index's
         # locks in the same order and cannot deadlock on each other.
         distinct = sorted(set(message_ids))
-        rows = [{"consumer": consumer, "message_id": m, "received_at": now} for m in distinct]
-        new = set(db.insert_new(conn, schema.inbox, rows, _KEY))
+        constants = {"consumer": consumer, "received_at": now}
+        new = set(db.insert_new_keys(conn, schema.inbox, _KEY, distinct, constants))
         flags = []
         for message_id in message_ids:
             flags.append(message_id in new)

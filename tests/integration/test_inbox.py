@@ -125,6 +125,29 @@ def test_a_batch_is_recorded_in_one_go_with_a_flag_per_message_in_order(
     assert count(engine, schema.inbox) == 3
 
 
+@pytest.mark.postgres
+def test_on_postgresql_a_batch_of_any_size_is_one_statement_of_the_same_text(
+    pg_url: str, engines: list[object]
+) -> None:
+    """The ids go as one array: the driver parses one text, not one per batch size."""
+    engine = setup(pg_url, engines)
+    sent: list[tuple[str, Any]] = []
+    sa.event.listen(
+        engine, "before_cursor_execute", lambda _c, _k, sql, params, *_: sent.append((sql, params))
+    )
+    inbox = Inbox()
+    with engine.begin() as conn:
+        assert inbox.first_times(conn, "billing", ["m-1"]) == [True]
+        ids = [f"m-{n}" for n in range(50)]
+        assert inbox.first_times(conn, "billing", ids) == [m != "m-1" for m in ids]
+    inserts = [(sql, params) for sql, params in sent if "INSERT INTO inbox_messages" in sql]
+    assert len(inserts) == 2
+    assert inserts[0][0] == inserts[1][0]
+    assert "unnest" in inserts[0][0]
+    assert sorted(inserts[1][1]["keys"]) == sorted(ids)
+    assert count(engine, schema.inbox) == 50
+
+
 def test_a_duplicate_does_not_spoil_the_transaction_it_is_found_in(
     db_url: str, engines: list[object]
 ) -> None:
