@@ -2,8 +2,10 @@
 
 One pass polls a batch from the transport and applies it in ONE local transaction: for each message,
 decode it, record it in the inbox (skip and count it if it was seen before), run the handler, which
-writes its effects and its outgoing messages (outbox) on the same connection. Only after that
-transaction commits is the broker position committed. A crash anywhere replays the batch; the inbox
+writes its effects and its outgoing messages (outbox) on the same connection. A handler may bring a
+batch scope that opens around all of the batch's handler calls (the orchestrator reads the batch's
+sagas in one statement there, and writes their states and commands in one each when it closes).
+Only after that transaction commits is the broker position committed. A crash anywhere replays the batch; the inbox
 turns the replay into no-ops.
 
 A message that cannot be decoded goes to the dead letters in the same transaction. When a handler
@@ -15,11 +17,13 @@ failing one: the ones before it are committed, it and the ones after it are rele
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from sqlalchemy import Connection, Engine, exc
 
@@ -33,6 +37,15 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Connection, Envelope], None]
 GiveUp = Callable[[Connection, Envelope, BaseException], None]
 DedupeKey = Callable[[Envelope], str]
+#: Opens around the handler calls of one transaction, given the messages they will handle; what it
+#: saved up (writes common to the batch) it writes when the block ends, before the commit.
+BatchScope = Callable[[Connection, Sequence[Envelope]], AbstractContextManager[object]]
+
+
+def no_batch_scope(
+    conn: Connection, envelopes: Sequence[Envelope]
+) -> AbstractContextManager[object]:
+    return contextlib.nullcontext()
 
 
 def by_message_id(envelope: Envelope) -> str:
@@ -80,6 +93,7 @@ class MessageConsumer:
         *,
         give_up: GiveUp | None = None,
         dedupe_key: DedupeKey = by_message_id,
+        batch: BatchScope = no_batch_scope,
         on_commit: Callable[[], None] | None = None,
         config: ConsumerConfig | None = None,
         clock: clock.Clock = clock.SYSTEM,
@@ -93,6 +107,8 @@ class MessageConsumer:
         # What the inbox deduplicates on: the message id, or e.g. a command id that stays the
         # same when a command is sent again after a timeout.
         self.dedupe_key = dedupe_key
+        # The handler's own batching (Orchestrator.batch, ParticipantService.batch).
+        self.batch = batch
         # Called after each local commit: a relay in this process can deliver the new outbox rows
         # at once instead of at its next poll (databases without LISTEN/NOTIFY).
         self.on_commit = on_commit or (lambda: None)
@@ -141,20 +157,28 @@ class MessageConsumer:
     ) -> None:
         """Apply ``deliveries`` in ``conn``'s transaction, recording the inbox in one statement.
 
+        The handler calls run inside the ``batch`` scope, which reads what they share up front
+        and writes what they saved up when it closes, still in this transaction.
+
         ``cursor`` tells the caller which delivery was in hand if this raises (-1: none of them,
-        the batch's inbox record failed).
+        the batch's inbox record or the scope's own writes failed).
         """
         decoded = [(delivery, self._decode(conn, delivery)) for delivery in deliveries]
         keys = [self.dedupe_key(envelope) for _, envelope in decoded if envelope is not None]
         first_times = iter(self.inbox.first_times(conn, self.name, keys) if keys else ())
+        new: list[tuple[int, Delivery, Envelope]] = []
         for index, (delivery, envelope) in enumerate(decoded):
             if envelope is None:
                 continue  # dead-lettered by _decode
-            cursor.index = index
-            if not next(first_times):
+            if next(first_times):
+                new.append((index, delivery, envelope))
+            else:
                 self.stats.duplicates += 1
-                continue
-            self._handle(conn, delivery, envelope)
+        with self.batch(conn, [envelope for _, _, envelope in new]):
+            for index, delivery, envelope in new:
+                cursor.index = index
+                self._handle(conn, delivery, envelope)
+            cursor.index = -1  # what the scope writes on leaving is no one message's
 
     def _apply_singly(
         self, deliveries: Sequence[Delivery], first_error: Exception | None = None
@@ -216,7 +240,8 @@ class MessageConsumer:
         if not self.inbox.first_time(conn, self.name, self.dedupe_key(envelope)):
             self.stats.duplicates += 1
             return
-        self._handle(conn, delivery, envelope)
+        with self.batch(conn, [envelope]):
+            self._handle(conn, delivery, envelope)
 
     def _handle(self, conn: Connection, delivery: Delivery, envelope: Envelope) -> None:
         """Run the handler of a message recorded in the inbox for the first time."""

@@ -3,7 +3,10 @@
 Every move is one local transaction on the orchestrator's database: read the instance, apply the
 reply (or the deadline), run any local steps, write the next command to the outbox, save the instance
 with its version check. The consumer loop around :meth:`Orchestrator.on_reply` adds the inbox
-record to the same transaction, so a duplicate reply changes nothing.
+record to the same transaction, so a duplicate reply changes nothing. It applies a whole batch of
+replies in one transaction inside :meth:`Orchestrator.batch`, which reads their sagas with one
+statement and writes their commands and new states with one each; a batch that fails is applied
+again one reply per transaction.
 
 Forward, the saga runs its steps in order, skipping those whose condition is false; the compensatable
 steps that commit are remembered. When a step at or before the pivot fails, the remembered steps are
@@ -14,9 +17,12 @@ saga is FAILED with its error, for an operator to see in ``saga-engine status``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import logging
 import uuid
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -35,7 +41,7 @@ from saga_engine.machine import (
     compensating,
 )
 from saga_engine.messages import Envelope
-from saga_engine.outbox.writer import OutboxWriter
+from saga_engine.outbox.writer import OutboxWriter, PendingMessages
 from saga_engine.store import SagaInstance
 
 log = logging.getLogger(__name__)
@@ -48,6 +54,24 @@ _COMMAND_IDS = uuid.UUID("6f1c2a52-8a53-4d8e-9f6e-2c1d4d6b9a10")
 
 #: The id of the saga whose local step is running (for logging, or keys in the step's own rows).
 CURRENT_SAGA: contextvars.ContextVar[str] = contextvars.ContextVar("saga_engine_current_saga")
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The replies of one consumed batch, applied in one transaction (see Orchestrator.batch)."""
+
+    conn: Connection
+    instances: dict[str, SagaInstance]
+    commands: PendingMessages
+    #: The sagas the batch changed, with the version each was read at.
+    read_versions: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+#: The batch open in this thread, if any. Consumers run in threads of their own, and the batch
+#: also names its connection: any other transaction of the thread reads and writes directly.
+_BATCH: contextvars.ContextVar[_Batch | None] = contextvars.ContextVar(
+    "saga_engine_orchestrator_batch", default=None
+)
 
 
 def current_saga_id() -> str:
@@ -104,6 +128,27 @@ class Orchestrator:
         store.insert(conn, instance, self.clock.now())
         return instance.id
 
+    @contextlib.contextmanager
+    def batch(self, conn: Connection, envelopes: Sequence[Envelope]) -> Iterator[None]:
+        """Apply the replies ``envelopes`` with :meth:`on_reply` inside this block, as one unit.
+
+        Their sagas are read with one statement when the block begins; the commands they send and
+        their new states are written with one statement each when it ends, still inside ``conn``'s
+        transaction, so they commit together with everything else the replies did. If the block
+        raises, nothing is written (the caller rolls the transaction back). A saga another worker
+        changed meanwhile fails the whole block with :class:`errors.ConcurrentUpdate`.
+        """
+        ids = [e.headers["saga_id"] for e in envelopes if isinstance(e.headers.get("saga_id"), str)]
+        batch = _Batch(conn, store.load_many(conn, ids), self.writer.pending())
+        token = _BATCH.set(batch)
+        try:
+            yield
+            batch.commands.write(conn)
+            changed = [(batch.instances[i], v) for i, v in batch.read_versions.items()]
+            store.save_many(conn, changed, self.clock.now())
+        finally:
+            _BATCH.reset(token)
+
     def on_reply(self, conn: Connection, envelope: Envelope) -> None:
         """Apply one participant reply (the handler of the orchestrator's consumer)."""
         saga, instance = self._awaiting(conn, envelope)
@@ -117,17 +162,17 @@ class Orchestrator:
             run.step_succeeded(step, envelope.payload)
         else:
             run.step_failed(step, reason)
-        store.save(conn, instance, self.clock.now())
+        self._save(conn, instance)
 
     def on_deadline(self, conn: Connection, saga_id: str) -> bool:
         """Act on a passed deadline (timeout or back-off); False if it was not due after all."""
-        instance = store.load(conn, saga_id)
+        instance = self._load(conn, saga_id)
         now = self.clock.now()
         if instance is None or instance.deadline is None or instance.deadline > now:
             return False
         saga = self._saga(instance.saga_type)
         _Run(self, conn, saga, instance, cause=None).deadline_passed()
-        store.save(conn, instance, now)
+        self._save(conn, instance)
         return True
 
     def give_up(self, conn: Connection, envelope: Envelope, error: BaseException) -> None:
@@ -141,11 +186,40 @@ class Orchestrator:
 
     def fail(self, conn: Connection, saga_id: str, error: str, cause: str | None = None) -> None:
         """Move a saga to FAILED with ``error``, for an operator (no-op if it has ended)."""
-        instance = store.load(conn, saga_id)
+        instance = self._load(conn, saga_id)
         if instance is None or instance.state in TERMINAL:
             return
         _Run(self, conn, self._saga(instance.saga_type), instance, cause=cause).fail_saga(error)
-        store.save(conn, instance, self.clock.now())
+        self._save(conn, instance)
+
+    # -- reading and writing instances ------------------------------------------------------------
+
+    def _load(self, conn: Connection, saga_id: str) -> SagaInstance | None:
+        batch = _open_batch(conn)
+        if batch is None:
+            return store.load(conn, saga_id)
+        if saga_id not in batch.instances:  # not among the batch's replies: read it now
+            instance = store.load(conn, saga_id)
+            if instance is None:
+                return None
+            batch.instances[saga_id] = instance
+        return batch.instances[saga_id]
+
+    def _save(self, conn: Connection, instance: SagaInstance) -> None:
+        batch = _open_batch(conn)
+        if batch is None:
+            store.save(conn, instance, self.clock.now())
+        else:
+            # Saved at the end of the batch, checked against the version first read.
+            batch.read_versions.setdefault(instance.id, instance.version)
+
+    def emit(self, conn: Connection, envelope: Envelope) -> None:
+        """Send a command: now, or with the batch's other commands if a batch is open."""
+        batch = _open_batch(conn)
+        if batch is None:
+            self.writer.add(conn, envelope)
+        else:
+            batch.commands.add(envelope)
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -161,7 +235,7 @@ class Orchestrator:
         if missing:
             raise errors.Undeliverable(f"not a saga reply: headers {sorted(missing)} missing")
         saga = self._saga(headers["saga_type"])
-        instance = store.load(conn, headers["saga_id"])
+        instance = self._load(conn, headers["saga_id"])
         if instance is None:
             raise errors.Undeliverable(f"unknown saga id {headers['saga_id']!r}")
         if instance.state in TERMINAL:
@@ -172,6 +246,11 @@ class Orchestrator:
                 f"{headers['step']}/{headers['phase']} command {headers['command_id']}"
             )
         return saga, instance
+
+
+def _open_batch(conn: Connection) -> _Batch | None:
+    batch = _BATCH.get()
+    return batch if batch is not None and batch.conn is conn else None
 
 
 class _Run:
@@ -333,7 +412,7 @@ class _Run:
         command = action.command(self.data())
         cid = command_id(instance.id, step.name, phase, instance.attempt)
         instance.command_id = cid
-        self.o.writer.add(
+        self.o.emit(
             self.conn,
             Envelope(
                 message_type=command.message_type,

@@ -15,8 +15,10 @@ attempt a failure reply is sent, so the saga never waits forever.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import pydantic
@@ -26,12 +28,18 @@ from sqlalchemy.orm import Session
 
 from saga_engine import clock, db, deadletter, errors
 from saga_engine.messages import Envelope, Message
-from saga_engine.outbox.writer import OutboxWriter
+from saga_engine.outbox.writer import OutboxWriter, PendingMessages
 
 C = TypeVar("C", bound=Message)
 CommandHandler = Callable[[Any, Session], Message | None]
 
 REPLY_HEADERS = ("saga_type", "saga_id", "step", "phase", "command_id")
+
+
+#: The replies of the batch open in this thread, with the connection of its transaction.
+_REPLIES: contextvars.ContextVar[tuple[Connection, PendingMessages] | None] = (
+    contextvars.ContextVar("saga_engine_participant_replies", default=None)
+)
 
 
 class Failure(Message):
@@ -96,6 +104,20 @@ class ParticipantService:
         """A command sent again after a timeout has a new message id but the same command id."""
         return envelope.headers.get("command_id") or envelope.message_id
 
+    @contextlib.contextmanager
+    def batch(self, conn: Connection, envelopes: Sequence[Envelope]) -> Iterator[None]:
+        """Handle the commands ``envelopes`` with :meth:`handle` inside this block, as one unit:
+        their replies are written to the outbox with one insert when it ends, in ``conn``'s
+        transaction. Messages a handler adds itself are written at once, inside its savepoint,
+        so a rejection still takes them back. If the block raises, no reply is written."""
+        replies = self.writer.pending()
+        token = _REPLIES.set((conn, replies))
+        try:
+            yield
+            replies.write(conn)
+        finally:
+            _REPLIES.reset(token)
+
     def handle(self, conn: Connection, envelope: Envelope) -> None:
         missing = [h for h in (*REPLY_HEADERS, "reply_to") if h not in envelope.headers]
         if missing:
@@ -151,7 +173,7 @@ class ParticipantService:
         payload: Message | None = Failure(reason=failure[:2000]) if failure is not None else result
         headers = {h: command.headers[h] for h in REPLY_HEADERS}
         headers["outcome"] = "failure" if failure is not None else "success"
-        self.writer.add(
+        self._send(
             conn,
             Envelope(
                 message_type=payload.message_type if payload is not None else "Success",
@@ -166,3 +188,11 @@ class ParticipantService:
                 payload=payload.model_dump(mode="json") if payload is not None else {},
             ),
         )
+
+    def _send(self, conn: Connection, reply: Envelope) -> None:
+        """Write ``reply`` now, or with the batch's other replies if a batch is open on ``conn``."""
+        batch = _REPLIES.get()
+        if batch is not None and batch[0] is conn:
+            batch[1].add(reply)
+        else:
+            self.writer.add(conn, reply)

@@ -59,6 +59,7 @@ def insert(conn: Connection, instance: SagaInstance, now: datetime) -> None:
 #: Built once: a saga's every message loads and saves its instance, and building the statement
 #: anew each time cost as much client CPU as executing it.
 _LOAD = sa.select(s).where(s.c.id == sa.bindparam("saga_id"))
+_LOAD_MANY = sa.select(s).where(s.c.id.in_(sa.bindparam("saga_ids", expanding=True)))
 _INSERT = s.insert()
 #: ``SET`` takes every column the parameters name (the same ones on every call).
 _SAVE = sa.update(s).where(
@@ -68,8 +69,18 @@ _SAVE = sa.update(s).where(
 
 def load(conn: Connection, saga_id: str) -> SagaInstance | None:
     row = conn.execute(_LOAD, {"saga_id": saga_id}).mappings().first()
-    if row is None:
-        return None
+    return None if row is None else _instance(row)
+
+
+def load_many(conn: Connection, saga_ids: Sequence[str]) -> dict[str, SagaInstance]:
+    """The instances of ``saga_ids`` that exist, by id, read with one statement."""
+    if not saga_ids:
+        return {}
+    rows = conn.execute(_LOAD_MANY, {"saga_ids": list(set(saga_ids))}).mappings()
+    return {row["id"]: _instance(row) for row in rows}
+
+
+def _instance(row: Any) -> SagaInstance:
     values = dict(row)
     values["data"] = json.loads(values["data"])
     values["completed_steps"] = json.loads(values["completed_steps"])
@@ -78,18 +89,41 @@ def load(conn: Connection, saga_id: str) -> SagaInstance | None:
 
 def save(conn: Connection, instance: SagaInstance, now: datetime) -> None:
     """Write ``instance`` if nobody changed it since it was read; bumps its version."""
+    save_many(conn, [(instance, instance.version)], now)
+
+
+def save_many(conn: Connection, changes: Sequence[tuple[SagaInstance, int]], now: datetime) -> None:
+    """Write each ``(instance, version it was read at)`` if its row still has that version, with
+    one (executemany) statement; set the instances' versions to the one after it.
+
+    Raises :class:`errors.ConcurrentUpdate` if any row had changed: the caller's transaction must
+    then be rolled back, since the other rows were written.
+    """
+    if not changes:
+        return
+    params = [_save_params(instance, read_version, now) for instance, read_version in changes]
+    result = conn.execute(_SAVE, params[0] if len(params) == 1 else params)
+    if result.rowcount != len(params):
+        raise errors.ConcurrentUpdate(_stale(changes, result.rowcount))
+    for instance, read_version in changes:
+        instance.version = read_version + 1
+        instance.updated_at = now
+
+
+def _stale(changes: Sequence[tuple[SagaInstance, int]], written: int) -> str:
+    if len(changes) == 1:
+        instance, read_version = changes[0]
+        return f"saga {instance.id} changed since version {read_version}"
+    return f"{len(changes) - written} of {len(changes)} sagas changed since they were read"
+
+
+def _save_params(instance: SagaInstance, read_version: int, now: datetime) -> dict[str, Any]:
     values = _row(instance)
-    read_version = values.pop("version")
-    values.pop("id")
-    values.pop("created_at")
+    del values["id"], values["created_at"]
     values.update(
         updated_at=now, version=read_version + 1, b_id=instance.id, b_read_version=read_version
     )
-    result = conn.execute(_SAVE, values)
-    if result.rowcount != 1:
-        raise errors.ConcurrentUpdate(f"saga {instance.id} changed since version {read_version}")
-    instance.version = read_version + 1
-    instance.updated_at = now
+    return values
 
 
 def due(conn: Connection, now: datetime, limit: int) -> Sequence[str]:

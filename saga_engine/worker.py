@@ -22,7 +22,7 @@ from sqlalchemy import Engine, exc
 
 from saga_engine import db, deadletter, errors, inbox, store, transport
 from saga_engine.app import App
-from saga_engine.consumer import MessageConsumer
+from saga_engine.consumer import BatchScope, DedupeKey, MessageConsumer, by_message_id
 from saga_engine.outbox import cleanup
 from saga_engine.outbox.notify import OUTBOX_CHANNEL, Wakeup
 from saga_engine.outbox.relay import Relay
@@ -160,6 +160,7 @@ class Worker:
                 self.app.reply_channels,
                 self.app.orchestrator.on_reply,
                 self.app.orchestrator.give_up,
+                batch=self.app.orchestrator.batch,
             )
         if "participants" in roles:
             for name in self.participant_names:
@@ -170,7 +171,8 @@ class Worker:
                     [service.participant.channel],
                     service.handle,
                     service.give_up,
-                    service.dedupe_key,
+                    dedupe_key=service.dedupe_key,
+                    batch=service.batch,
                 )
         if "relay" in roles:
             urls = {self.options.db_url, *(self.participant_db(n) for n in self.participant_names)}
@@ -196,9 +198,10 @@ class Worker:
         channels: list[str],
         handler: Callable[..., None],
         give_up: Callable[..., None],
-        dedupe_key: Callable[..., str] | None = None,
+        *,
+        batch: BatchScope,
+        dedupe_key: DedupeKey = by_message_id,
     ) -> None:
-        extra = {"dedupe_key": dedupe_key} if dedupe_key else {}
         consumer = MessageConsumer(
             name,
             self.engine(db_url),
@@ -209,7 +212,8 @@ class Worker:
             config=self.app.consumer_config,
             clock=self.app.clock,
             on_commit=functools.partial(self.wake_relays, db_url),
-            **extra,
+            dedupe_key=dedupe_key,
+            batch=batch,
         )
         self.consumers.append(consumer)
         self._thread(name, consumer.run)

@@ -81,7 +81,13 @@ class OutboxWriter:
     def add_many(self, tx: Session | Connection, envelopes: Iterable[Envelope]) -> None:
         """Add several messages with one (executemany) insert."""
         now = self.clock.now()
-        rows = [self._row(envelope, now) for envelope in envelopes]
+        self._insert(tx, [self._row(envelope, now) for envelope in envelopes])
+
+    def pending(self) -> PendingMessages:
+        """An empty list of messages to add later, all with one insert (see PendingMessages)."""
+        return PendingMessages(self)
+
+    def _insert(self, tx: Session | Connection, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
         conn = db.connection_of(tx)
@@ -119,6 +125,28 @@ class OutboxWriter:
             "created_at": now,
             "updated_at": now,
         }
+
+
+class PendingMessages:
+    """Messages checked and turned into outbox rows now, inserted later with one statement.
+
+    The engine's consumers collect the messages a whole batch sends (an orchestrator's commands, a
+    participant's replies) and write them just before the batch commits: one insert instead of one
+    per message. Each row is built when it is added, so a payload over the limit fails the message
+    that sent it. Rows keep the order they were added in.
+    """
+
+    def __init__(self, writer: OutboxWriter) -> None:
+        self.writer = writer
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, envelope: Envelope) -> None:
+        self.rows.append(self.writer._row(envelope, self.writer.clock.now()))
+
+    def write(self, tx: Session | Connection) -> None:
+        """Insert the rows in ``tx``'s transaction (the caller commits it), and forget them."""
+        self.writer._insert(tx, self.rows)
+        self.rows = []
 
 
 _DRIVER_SQL: weakref.WeakKeyDictionary[Dialect, str | None] = weakref.WeakKeyDictionary()

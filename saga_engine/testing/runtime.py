@@ -97,6 +97,7 @@ class Runtime:
             self.app.reply_channels,
             o.on_reply,
             give_up=o.give_up,
+            batch=o.batch,
             config=config,
             clock=self.clock,
         )
@@ -111,6 +112,7 @@ class Runtime:
             service.handle,
             give_up=service.give_up,
             dedupe_key=service.dedupe_key,
+            batch=service.batch,
             config=config,
             clock=self.clock,
         )
