@@ -44,8 +44,13 @@ class SagaInstance:
         self.deadline, self.deadline_kind = deadline, kind
 
 
+#: The instance's fields, in order. ``dataclasses.asdict`` deep-copies every value, which cost more
+#: client CPU than the rest of a save.
+_FIELDS = tuple(f.name for f in dataclasses.fields(SagaInstance))
+
+
 def _row(instance: SagaInstance) -> dict[str, Any]:
-    values = dataclasses.asdict(instance)
+    values = {name: getattr(instance, name) for name in _FIELDS}
     values["data"] = json.dumps(instance.data, separators=(",", ":"))
     values["completed_steps"] = json.dumps(instance.completed_steps)
     return values
