@@ -25,6 +25,8 @@ from saga_engine.outbox.notify import TRANSPORT_CHANNEL, Wakeup
 from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage, PublishResult, Transport
 
 q = schema.transport_messages
+#: What of a consumer group's name fits in ``lease_owner`` before ``:`` and a 36-character id.
+_OWNER_NAME_LENGTH = q.c.lease_owner.type.length - 37  # type: ignore[attr-defined]
 
 
 class SqlTransport(Transport):
@@ -112,7 +114,9 @@ class SqlConsumer(Consumer):
             self.wakeup.wait(min(self.transport.idle_poll, remaining))
 
     def _claim(self, limit: int) -> list[Delivery]:
-        token = f"{self.group}:{ids.new_id()}"
+        # Unique by its id; the group's name only tells a reader of the table who holds the lease,
+        # so it is cut to fit the column beside the 36-character id.
+        token = f"{self.group[:_OWNER_NAME_LENGTH]}:{ids.new_id()}"
         now = self.transport.clock.now()
         free = sa.or_(q.c.lease_until.is_(None), q.c.lease_until < now)
         with self.transport.engine.begin() as conn:

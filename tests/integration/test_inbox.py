@@ -286,3 +286,24 @@ def test_a_handler_that_always_fails_is_given_up_and_the_channel_moves_on(
     assert Envelope.from_wire(bytes(letter.raw)) == poison
     assert (consumer.stats.retries, consumer.stats.given_up) == (2, 1)
     assert count(engine, schema.transport_messages) == 0
+
+
+def test_a_consumer_with_a_long_name_leases_on_every_database(
+    db_url: str, engines: list[object]
+) -> None:
+    """The SQL transport's lease names its consumer group; a long name must not overflow it."""
+    engine = setup(db_url, engines)
+    consumer = MessageConsumer(
+        "participant:" + "warehouse_reservations" * 4,
+        engine,
+        SqlTransport(engine),
+        [CHANNEL],
+        charge,
+        config=ConsumerConfig(poll_timeout=0.05, retry_delay=0.0),
+    )
+    try:
+        publish(consumer.transport, envelope())  # type: ignore[arg-type]
+        drain(consumer)
+        assert count(engine, ledger) == 1
+    finally:
+        consumer.close()
