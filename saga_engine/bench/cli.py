@@ -124,7 +124,16 @@ def _saga(sub: Any) -> None:
         metavar="SAGAS_PER_S",
         help="place the orders at this rate (default: back to back, for throughput)",
     )
-    parser.add_argument("--app", default="sagas.app:app", metavar="MODULE:OBJECT")
+    parser.add_argument(
+        "--saga",
+        choices=["full", "outline"],
+        default="full",
+        help="full: the example with its business data (default); outline: the peer's four "
+        "steps with no business work, as the peer's activities",
+    )
+    parser.add_argument(
+        "--app", metavar="MODULE:OBJECT", help="the workers' app (default: the --saga's own)"
+    )
     parser.add_argument("--peer", choices=["temporal"], help="also run the peer in this run")
     parser.add_argument(
         "--peer-sagas", type=int, default=500, help="sagas the peer runs (default 500)"
@@ -147,7 +156,8 @@ def run_saga(args: argparse.Namespace) -> int:
         workers=args.workers,
         compensate=args.compensate,
         rate=args.rate,
-        app=args.app,
+        app=args.app or saga.SAGAS[args.saga][0],
+        saga_module=saga.SAGAS[args.saga][1],
         peer=args.peer,
         peer_sagas=args.peer_sagas,
         peer_script=args.peer_script,

@@ -84,6 +84,20 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
     assert figures["elapsed_s"] >= 1.9
 
 
+def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
+    pg_url: str, kafka_url: str, tmp_path: Path
+) -> None:
+    sizes = ["--sagas", "20", "--workers", "1", "--saga", "outline"]
+    result = bench(tmp_path, "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["saga"] == "sagas.order_outline"
+    assert (figures["completed"], figures["compensated"]) == (18, 2)
+    assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
+    # A completed saga sends two commands and gets two replies; a declined one also releases.
+    assert figures["messages_per_saga"] == (18 * 4 + 2 * 6) / 20
+
+
 @pytest.mark.parametrize(
     ("options", "error"),
     [
