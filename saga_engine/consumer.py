@@ -4,9 +4,9 @@ One pass polls a batch from the transport and applies it in ONE local transactio
 decode it, record it in the inbox (skip and count it if it was seen before), run the handler, which
 writes its effects and its outgoing messages (outbox) on the same connection. A handler may bring a
 batch scope that opens around all of the batch's handler calls (the orchestrator reads the batch's
-sagas in one statement there, and writes their states and commands in one each when it closes).
-Only after that transaction commits is the broker position committed. A crash anywhere replays the batch; the inbox
-turns the replay into no-ops.
+sagas in one statement there, and writes their states and commands in one executemany each when it
+closes). Only after that transaction commits is the broker position committed. A crash anywhere
+replays the batch; the inbox turns the replay into no-ops.
 
 A message that cannot be decoded goes to the dead letters in the same transaction. When a handler
 raises, the batch is rolled back and re-applied one message per transaction, in order, up to the

@@ -84,7 +84,7 @@ class OutboxWriter:
         self._insert(tx, [self._row(envelope, now) for envelope in envelopes])
 
     def pending(self) -> PendingMessages:
-        """An empty list of messages to add later, all with one insert (see PendingMessages)."""
+        """An empty list of messages to add later, all with one executemany (see PendingMessages)."""
         return PendingMessages(self)
 
     def _insert(self, tx: Session | Connection, rows: list[dict[str, Any]]) -> None:
@@ -128,12 +128,13 @@ class OutboxWriter:
 
 
 class PendingMessages:
-    """Messages checked and turned into outbox rows now, inserted later with one statement.
+    """Messages checked and turned into outbox rows now, inserted later with one executemany.
 
     The engine's consumers collect the messages a whole batch sends (an orchestrator's commands, a
-    participant's replies) and write them just before the batch commits: one insert instead of one
-    per message. Each row is built when it is added, so a payload over the limit fails the message
-    that sent it. Rows keep the order they were added in.
+    participant's replies) and write them just before the batch commits: one call and one round
+    trip (pipelined on PostgreSQL) instead of one per message. Each row is built when it is added,
+    so a payload over the limit fails the message that sent it. Rows keep the order they were added
+    in.
     """
 
     def __init__(self, writer: OutboxWriter) -> None:

@@ -1,6 +1,6 @@
 """A consumed batch applied as one unit, on each real database: the orchestrator reads the sagas of a
-batch of replies with one statement and writes their states and commands with one each; a
-participant writes the replies to a batch of commands with one insert. Statements are observed
+batch of replies with one statement and writes their states and commands with one executemany each;
+a participant writes the replies to a batch of commands with one executemany. Statements are observed
 with a ``before_cursor_execute`` listener, so each test checks both what was sent and what it did.
 """
 
