@@ -76,9 +76,9 @@ def saga_panel(ax: Any, d: dict[str, Any]) -> None:
         labels.append("Temporal\n(in memory)")
         values.append(d["temporal_sagas_per_s"])
     ratio = f": {d['vs_temporal']:.1f}x Temporal" if "vs_temporal" in d else ""
-    bars(
-        ax, labels, values, f"order saga, {d['sagas']:,} sagas, K={d['workers']}{ratio}", "sagas/s"
-    )
+    # sagas.order_fulfilment (the full example) or sagas.order_outline (the peer's outline)
+    name = str(d.get("saga", "sagas.order_fulfilment")).rsplit(".", 1)[-1]
+    bars(ax, labels, values, f"{name}, {d['sagas']:,} sagas, K={d['workers']}{ratio}", "sagas/s")
 
 
 def latency_panel(ax: Any, d: dict[str, Any]) -> None:
