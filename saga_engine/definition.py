@@ -229,6 +229,12 @@ def _pivot_index(steps: Sequence[Step]) -> int:
     return (retriable[0] if retriable else len(steps)) - 1
 
 
+#: The longest saga name: it is stored as the aggregate type of every command the saga sends.
+MAX_SAGA_NAME = 64
+#: The longest step name: a saga's state is a step's name, or ``compensate_`` and the name.
+MAX_STEP_NAME = 128
+
+
 def _validate(saga: Saga[Any]) -> None:
     def fail(problem: str, s: Step | None = None) -> None:
         where = f"saga {saga.name!r}" + (f", step {s.name!r}" if s else "")
@@ -236,6 +242,8 @@ def _validate(saga: Saga[Any]) -> None:
 
     if not saga.name or not saga.name.replace("_", "").replace("-", "").isalnum():
         fail("the name must be letters, digits, '_' or '-'")
+    if len(saga.name) > MAX_SAGA_NAME:
+        fail(f"the name has {len(saga.name)} characters, more than {MAX_SAGA_NAME}")
     if not (isinstance(saga.data_type, type) and issubclass(saga.data_type, BaseModel)):
         fail("data must be a pydantic model class")
     if not saga.steps:
@@ -246,6 +254,8 @@ def _validate(saga: Saga[Any]) -> None:
             fail(f"steps must be made with step(...), got {type(s).__name__}")
         if s.name in seen:
             fail("duplicate step name", s)
+        if not s.name or len(s.name) > MAX_STEP_NAME:
+            fail(f"a step name needs 1 to {MAX_STEP_NAME} characters", s)
         seen.add(s.name)
         if s.action is None:
             fail("no action: call .invoke(participant, command) or .local(function)", s)

@@ -34,6 +34,8 @@ C = TypeVar("C", bound=Message)
 CommandHandler = Callable[[Any, Session], Message | None]
 
 REPLY_HEADERS = ("saga_type", "saga_id", "step", "phase", "command_id")
+#: The longest participant name: its consumer records the inbox as ``participant:<name>``.
+MAX_PARTICIPANT_NAME = 116
 
 
 #: The replies of the batch open in this thread, with the connection of its transaction.
@@ -60,6 +62,11 @@ class Participant:
     def __init__(self, name: str, *, metadata: sa.MetaData | None = None) -> None:
         if not name or not name.replace("_", "").replace("-", "").isalnum():
             raise errors.DefinitionError(f"participant name {name!r}: letters, digits, '_' or '-'")
+        if len(name) > MAX_PARTICIPANT_NAME:
+            raise errors.DefinitionError(
+                f"participant name {name[:20]!r}...: {len(name)} characters, more than "
+                f"{MAX_PARTICIPANT_NAME}"
+            )
         self.name = name
         self.metadata = metadata  # the service's own tables (App.create_tables creates them)
         self.handlers: dict[str, _Handler] = {}

@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from saga_engine import errors
+from saga_engine import errors, schema
 from saga_engine.app import App
-from saga_engine.definition import Saga, StepKind, step
+from saga_engine.definition import MAX_SAGA_NAME, MAX_STEP_NAME, Saga, StepKind, step
 from saga_engine.machine import SagaMachine
 from saga_engine.messages import Message
-from saga_engine.participant import Participant
+from saga_engine.participant import MAX_PARTICIPANT_NAME, Participant
 
 
 class D(BaseModel):
@@ -147,3 +147,26 @@ def test_an_explicit_pivot_cannot_have_a_compensation() -> None:
 def test_an_unknown_on_timeout_is_a_definition_error() -> None:
     with pytest.raises(errors.DefinitionError, match="on_timeout must be 'retry' or 'fail'"):
         step("a").invoke("p", cmd).timeout(5, "explode")
+
+
+def test_names_longer_than_the_tables_can_hold_are_refused_when_defined() -> None:
+    local = step("a").local(lambda d, s: None)
+    with pytest.raises(errors.DefinitionError, match=r"saga 'ss*': the name has 65 characters"):
+        Saga("s" * (MAX_SAGA_NAME + 1), data=D, steps=[local])
+    with pytest.raises(errors.DefinitionError, match="a step name needs 1 to 128 characters"):
+        Saga("ok", data=D, steps=[step("t" * (MAX_STEP_NAME + 1)).local(lambda d, s: None)])
+    with pytest.raises(errors.DefinitionError, match="117 characters, more than 116"):
+        Participant("p" * (MAX_PARTICIPANT_NAME + 1))
+    Saga("s" * MAX_SAGA_NAME, data=D, steps=[step("t" * MAX_STEP_NAME).local(lambda d, s: None)])
+    Participant("p" * MAX_PARTICIPANT_NAME)
+
+
+def test_the_name_limits_are_what_the_columns_hold() -> None:
+    """Each limit comes from a column: change the schema, and this says which limit to change."""
+    assert schema.outbox.c.aggregate_type.type.length == MAX_SAGA_NAME
+    assert schema.saga_instances.c.saga_type.type.length >= MAX_SAGA_NAME
+    compensating = len("compensate_") + MAX_STEP_NAME
+    assert compensating <= schema.saga_instances.c.state.type.length
+    consumer = len("participant:") + MAX_PARTICIPANT_NAME
+    assert consumer == schema.inbox.c.consumer.type.length
+    assert consumer <= schema.dead_letters.c.consumer.type.length
