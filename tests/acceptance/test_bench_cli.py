@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,13 +70,20 @@ def test_bench_rejects_a_broker_it_cannot_measure(pg_url: str, tmp_path: Path) -
     assert result.stderr.strip().startswith("saga-engine: error: ")
 
 
+def small_saga_run(cwd: Path, db_url: str, kafka_url: str, *options: str) -> dict[str, Any]:
+    """``bench saga`` of 20 sagas on one worker with ``options``: its JSON figures, once it
+    exited 0."""
+    sizes = ["--sagas", "20", "--workers", "1"]
+    result = bench(cwd, "saga", "--db", db_url, "--broker", kafka_url, *sizes, *options, "--json")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return figures
+
+
 def test_bench_saga_at_an_offered_rate_ends_every_saga(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
-    sizes = ["--sagas", "20", "--workers", "1", "--rate", "10"]
-    result = bench(tmp_path, "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = small_saga_run(tmp_path, pg_url, kafka_url, "--rate", "10")
     assert figures["offered_rate"] == 10
     assert figures["completed"] + figures["compensated"] == 20
     assert figures["compensated"] == 2  # one order in ten is declined at payment
@@ -87,10 +95,7 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
 def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
-    sizes = ["--sagas", "20", "--workers", "1", "--saga", "outline"]
-    result = bench(tmp_path, "saga", "--db", pg_url, "--broker", kafka_url, *sizes, "--json")
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    figures = small_saga_run(tmp_path, pg_url, kafka_url, "--saga", "outline")
     assert figures["saga"] == "sagas.order_outline"
     assert (figures["completed"], figures["compensated"]) == (18, 2)
     assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
