@@ -256,9 +256,9 @@ def insert_new_keys(
     the values that exist. Returns the values inserted, as :func:`insert_new` does.
 
     On PostgreSQL the keys go as one array, ``INSERT ... SELECT ... FROM unnest(:keys)``: the SQL
-    text is the same for any number of keys, where a multi-row ``VALUES`` renders three parameters
-    per row and makes the driver parse a new text on every call (7 % of a worker's CPU for the
-    inbox alone). Rows are inserted in the order of ``keys``. Elsewhere: :func:`insert_new`.
+    text is the same for any number of keys, where a multi-row ``VALUES`` renders a parameter per
+    column and row, and the driver parses a new text on every call (for the inbox, 7 % of a saga
+    worker's GIL time). Rows are inserted in the order of ``keys``. Elsewhere: :func:`insert_new`.
     """
     if not keys:
         return []
