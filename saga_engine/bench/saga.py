@@ -53,8 +53,8 @@ class Options:
     sagas: int = 1000
     workers: int = 2
     compensate: float = 0.1
-    app: str = "sagas.app:app"
-    saga_module: str = "sagas.order_fulfilment"
+    app: str = SAGAS["full"][0]
+    saga_module: str = SAGAS["full"][1]
     peer: str | None = None
     peer_sagas: int = 500
     peer_script: str | None = None

@@ -18,6 +18,7 @@ from saga_engine import db, errors, schema, store
 from saga_engine.app import App
 from saga_engine.definition import Saga, step
 from saga_engine.messages import Envelope, Message
+from saga_engine.outbox.writer import OutboxWriter
 from saga_engine.participant import Participant
 from saga_engine.testing import ManualClock, Runtime
 
@@ -54,13 +55,13 @@ class Noticed(Message):
 
 def build(clock: ManualClock, local_runs: list[str]) -> tuple[App, Saga[Data]]:
     stock = Participant("stock")
-    app_box: list[App] = []
+    writer = OutboxWriter(clock=clock)
 
     @stock.handles(Reserve)
     def reserve(cmd: Reserve, tx: Session) -> Reserved:
         tx.execute(effects.insert().values(saga=cmd.order, what="reserve"))
         notice = Noticed(order=cmd.order)
-        app_box[0].writer.add(
+        writer.add(
             tx,
             Envelope(
                 message_type=notice.message_type,
@@ -90,7 +91,6 @@ def build(clock: ManualClock, local_runs: list[str]) -> tuple[App, Saga[Data]]:
         ],
     )
     app = App("b", sagas=[saga], participants=[stock], metadata=[effects.metadata], clock=clock)
-    app_box.append(app)
     return app, saga
 
 
@@ -135,8 +135,8 @@ def start_all(app: App, engine: sa.Engine, saga: Saga[Data], *data: Data) -> lis
 
 def states(engine: sa.Engine, ids: list[str]) -> list[str]:
     with engine.connect() as conn:
-        found = {i: store.load(conn, i) for i in ids}
-    return [found[i].state if found[i] else "missing" for i in ids]  # type: ignore[union-attr]
+        found = store.load_many(conn, ids)
+    return [found[i].state if i in found else "missing" for i in ids]
 
 
 def effects_by_saga(engine: sa.Engine) -> dict[str, list[str]]:
@@ -147,7 +147,7 @@ def effects_by_saga(engine: sa.Engine) -> dict[str, list[str]]:
     return out
 
 
-def replies_queued(runtime: Runtime, app: App, saga: Saga[Data], engine: sa.Engine) -> None:
+def replies_queued(runtime: Runtime, saga: Saga[Data], engine: sa.Engine) -> None:
     """Relay the commands, let the participant answer them all, relay the replies."""
     runtime.relay_once()
     runtime.consume_once(lambda c: c.name != "orchestrator")
@@ -165,7 +165,7 @@ def test_a_batch_of_replies_reads_its_sagas_once_and_writes_them_once(world: Any
     runtime, app, saga, engine, local_runs = world
     orders = [f"o{n}" for n in range(5)]
     ids = start_all(app, engine, saga, *(Data(order=o) for o in orders))
-    replies_queued(runtime, app, saga, engine)
+    replies_queued(runtime, saga, engine)
     log = StatementLog(engine)
     log.on = True
     assert runtime.consume_once(lambda c: c.name == "orchestrator") == 5
@@ -184,7 +184,7 @@ def test_a_saga_changed_during_a_batch_sends_the_batch_back_one_reply_at_a_time(
     runtime, app, saga, engine, local_runs = world
     data = [Data(order="victim"), Data(order="bumper", bump="victim"), Data(order="bystander")]
     ids = start_all(app, engine, saga, *data)
-    replies_queued(runtime, app, saga, engine)
+    replies_queued(runtime, saga, engine)
     runtime.consume_once(lambda c: c.name == "orchestrator")
     # The batch ran every local step, failed on the victim's version, and rolled back; then each
     # reply ran alone and committed. The local steps of the first run left nothing behind.
