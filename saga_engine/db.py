@@ -245,6 +245,56 @@ def insert_new(
     return [row[key.key] for row in rows if bind.execute(stmt, row).rowcount]
 
 
+class _BinaryList(list):  # type: ignore[type-arg]
+    """A list psycopg sends in its binary array format (see :class:`Array`)."""
+
+
+class Array(sa.TypeDecorator[list[Any]]):
+    """A PostgreSQL array parameter that psycopg sends in binary form.
+
+    psycopg's default, text form writes an array element by element in Python: binding the 500
+    ids of a relay's batch cost 0.67-0.79 ms of client CPU, 0.32-0.36 ms in binary (500 keys:
+    0.78-0.82 against 0.38-0.45), and a relay pass binds three such lists. Only for items psycopg
+    takes as they are (ids, names): the elements go without SQLAlchemy's per-item processing. Only parameters of this type change form: a plain list a user binds elsewhere keeps
+    the text form, whose untyped literal PostgreSQL fits to any column (a binary ``text[]`` would
+    not compare with a ``uuid`` column, say). The statement casts the parameter to the array
+    type, so the element type psycopg picks (``smallint[]`` for small ids) does not matter.
+    """
+
+    impl = sa.types.NullType
+    cache_ok = True
+
+    def __init__(self, item_type: Any) -> None:
+        super().__init__()
+        self.item_type = item_type
+
+    def load_dialect_impl(self, dialect: sa.Dialect) -> Any:
+        from sqlalchemy.dialects import postgresql
+
+        return dialect.type_descriptor(postgresql.ARRAY(self.item_type))
+
+    def bind_processor(self, dialect: sa.Dialect) -> Any:
+        # In place of ARRAY's own, which copies the list into a plain one (element processors
+        # are not needed: PostgreSQL's ids and names are bound as they are).
+        return _binary_list
+
+
+def _binary_list(value: Any) -> Any:
+    return None if value is None else _BinaryList(value)
+
+
+def _register_binary_lists() -> None:
+    try:
+        import psycopg
+        from psycopg.types.array import ListBinaryDumper
+    except ImportError:  # no PostgreSQL driver installed: nothing binds these
+        return
+    psycopg.adapters.register_dumper(_BinaryList, ListBinaryDumper)
+
+
+_register_binary_lists()
+
+
 def insert_new_keys(
     bind: Connection,
     table: sa.Table,
@@ -281,7 +331,7 @@ def _array_insert(table: sa.Table, key: sa.Column[Any], constants: tuple[str, ..
         from sqlalchemy.dialects import postgresql
 
         keys = (
-            sa.func.unnest(sa.bindparam("keys", type_=postgresql.ARRAY(key.type)))
+            sa.func.unnest(sa.bindparam("keys", type_=Array(key.type)))
             .table_valued("k")
             .render_derived(name="keys")
         )

@@ -481,3 +481,42 @@ def subplan_scan(node: dict[str, Any]) -> dict[str, Any]:
         if found:
             return found
     return {}
+
+
+# -- array parameters -----------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+def test_array_parameters_go_in_binary_and_keep_every_value(pg_url: str) -> None:
+    """psycopg writes a text array element by element in Python (0.47 ms for a batch's 500 ids);
+    :class:`db.Array` parameters go in its binary form, whatever their values."""
+    from psycopg import pq
+    from psycopg.adapt import PyFormat
+
+    engine = db.create_engine(pg_url, pool_size=1)
+    formats: list[pq.Format] = []
+
+    def note_formats(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        adapters = cursor.connection.adapters
+        for value in parameters.values():
+            if isinstance(value, list):
+                formats.append(adapters.get_dumper(type(value), PyFormat.AUTO).format)
+
+    sa.event.listen(engine, "before_cursor_execute", note_formats)
+    keys = ["plain", 'quo"te', "back\\slash", "{braces}", "a,b", "", "NULL", "订单 é", " lead"]
+    ids = [1, 2**15, 2**40]
+    as_ids = sa.bindparam("v", type_=db.Array(sa.BigInteger()))
+    as_keys = sa.bindparam("v", type_=db.Array(sa.String(255)))
+    try:
+        with engine.connect() as conn:
+            unnest = sa.select(sa.func.unnest(as_ids))
+            assert conn.scalars(unnest, {"v": ids}).all() == ids
+            assert conn.scalars(unnest, {"v": [None, 7]}).all() == [None, 7]
+            assert conn.scalars(unnest, {"v": []}).all() == []
+            assert conn.scalars(sa.select(sa.func.unnest(as_keys)), {"v": keys}).all() == keys
+            many = list(range(10_000, 10_500))
+            matches = sa.select(sa.func.count()).where(sa.literal(10_499) == sa.any_(as_ids))
+            assert conn.scalar(matches, {"v": many}) == 1
+    finally:
+        engine.dispose()
+    assert formats and set(formats) == {pq.Format.BINARY}
