@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -50,6 +51,9 @@ def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
     try:
         if parsed.get_backend_name() == "sqlite":
             return _sqlite_engine(parsed, **kwargs)
+        if parsed.get_backend_name() == "postgresql":
+            # Before the engine exists: its dialect copies psycopg's adapters when it is made.
+            _register_binary_lists()
         engine = sa.create_engine(
             parsed, pool_size=pool_size, max_overflow=pool_size, pool_recycle=1800, **kwargs
         )
@@ -254,11 +258,18 @@ class Array(sa.TypeDecorator[list[Any]]):
 
     psycopg's default, text form writes an array element by element in Python: binding the 500
     ids of a relay's batch cost 0.67-0.79 ms of client CPU, 0.32-0.36 ms in binary (500 keys:
-    0.78-0.82 against 0.38-0.45), and a relay pass binds three such lists. Only for items psycopg
-    takes as they are (ids, names): the elements go without SQLAlchemy's per-item processing. Only parameters of this type change form: a plain list a user binds elsewhere keeps
-    the text form, whose untyped literal PostgreSQL fits to any column (a binary ``text[]`` would
-    not compare with a ``uuid`` column, say). The statement casts the parameter to the array
-    type, so the element type psycopg picks (``smallint[]`` for small ids) does not matter.
+    0.78-0.82 against 0.38-0.45), and a relay pass binds three such lists. For items psycopg takes
+    as they are (ids, names): the elements go without SQLAlchemy's per-item processing.
+
+    SQLAlchemy's psycopg dialect copies psycopg's adapters when it is made, so
+    :func:`create_engine` registers the binary form before it makes an engine, and a process on
+    SQLite or MySQL never imports psycopg for it. (In a process that made no engine that way, these lists
+    keep the text form: slower, with the same result.)
+
+    Only parameters of this type change form: a plain list a user binds elsewhere keeps the text
+    form, whose untyped literal PostgreSQL fits to any column (a binary ``text[]`` would not
+    compare with a ``uuid`` column, say). The statement casts the parameter to the array type, so
+    the element type psycopg picks (``smallint[]`` for small ids) does not matter.
     """
 
     impl = sa.types.NullType
@@ -274,8 +285,7 @@ class Array(sa.TypeDecorator[list[Any]]):
         return dialect.type_descriptor(postgresql.ARRAY(self.item_type))
 
     def bind_processor(self, dialect: sa.Dialect) -> Any:
-        # In place of ARRAY's own, which copies the list into a plain one (element processors
-        # are not needed: PostgreSQL's ids and names are bound as they are).
+        # In place of ARRAY's own, which copies the list into a plain one.
         return _binary_list
 
 
@@ -283,6 +293,7 @@ def _binary_list(value: Any) -> Any:
     return None if value is None else _BinaryList(value)
 
 
+@functools.cache
 def _register_binary_lists() -> None:
     try:
         import psycopg
@@ -290,9 +301,6 @@ def _register_binary_lists() -> None:
     except ImportError:  # no PostgreSQL driver installed: nothing binds these
         return
     psycopg.adapters.register_dumper(_BinaryList, ListBinaryDumper)
-
-
-_register_binary_lists()
 
 
 def insert_new_keys(

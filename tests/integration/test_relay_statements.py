@@ -8,6 +8,8 @@ was sent and what it did.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -520,3 +522,26 @@ def test_array_parameters_go_in_binary_and_keep_every_value(pg_url: str) -> None
     finally:
         engine.dispose()
     assert formats and set(formats) == {pq.Format.BINARY}
+
+
+@pytest.mark.postgres
+def test_the_first_engine_of_a_process_sends_arrays_in_binary(pg_url: str) -> None:
+    """SQLAlchemy's dialect copies psycopg's adapters when the engine is made: the binary form
+    must be registered before that, in a process that has made no engine yet."""
+    probe = (
+        "import sys\n"
+        "import sqlalchemy as sa\n"
+        "from psycopg import pq\n"
+        "from psycopg.adapt import PyFormat\n"
+        "from saga_engine import db\n"
+        "engine = db.create_engine(sys.argv[1], pool_size=1)\n"
+        "with engine.connect() as conn:\n"
+        "    adapters = conn.connection.dbapi_connection.adapters\n"
+        "    dumper = adapters.get_dumper(db._BinaryList, PyFormat.AUTO)\n"
+        "print(dumper.format == pq.Format.BINARY)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, pg_url], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
