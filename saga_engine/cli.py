@@ -168,8 +168,9 @@ def register_relay(commands: Any) -> None:
     parser.add_argument(
         "--on-sent",
         default="mark",
-        choices=["mark", "delete"],
-        help="keep acknowledged rows as SENT until cleanup (mark), or delete them at once",
+        choices=["mark", "archive", "delete"],
+        help="keep acknowledged rows as SENT until cleanup (mark), move them to outbox_history "
+        "(archive), or delete them at once",
     )
     parser.set_defaults(run=run_relay)
 
@@ -249,6 +250,13 @@ def add_retention(parser: argparse.ArgumentParser) -> None:
         help="sagas that ended (default: keep them); running sagas are never pruned",
     )
     group.add_argument(
+        "--history-retention-days",
+        type=float,
+        metavar="DAYS",
+        help="rows in outbox_history, archived by cleanup --archive or by relays with "
+        "--on-sent archive (default: keep them)",
+    )
+    group.add_argument(
         "--dead-letter-retention-days",
         type=float,
         metavar="DAYS",
@@ -264,6 +272,7 @@ class Retention:
     inbox: timedelta | None
     sagas: timedelta | None
     dead_letters: timedelta | None
+    history: timedelta | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Retention:
@@ -281,6 +290,7 @@ class Retention:
             else _days("--inbox-retention-days", inbox_days, inbox_hint),
             sagas=_days("--saga-retention-days", args.saga_retention_days),
             dead_letters=_days("--dead-letter-retention-days", args.dead_letter_retention_days),
+            history=_days("--history-retention-days", args.history_retention_days),
         )
 
 
@@ -295,10 +305,11 @@ def _days(option: str, days: float | None, hint: str = "") -> timedelta | None:
 
 def run_cleanup(args: argparse.Namespace) -> int:
     from saga_engine import deadletter, inbox, store
-    from saga_engine.outbox.cleanup import cleanup
+    from saga_engine.outbox.cleanup import cleanup, prune_history
 
     retention = Retention.from_args(args)
-    tables = (*OUTBOX_TABLES, "outbox_history") if args.archive else OUTBOX_TABLES
+    history = args.archive or retention.history is not None
+    tables = (*OUTBOX_TABLES, "outbox_history") if history else OUTBOX_TABLES
     if retention.inbox is not None:
         tables = (*tables, "inbox_messages", "inbox_duplicates")
     if retention.dead_letters is not None:
@@ -308,6 +319,10 @@ def run_cleanup(args: argparse.Namespace) -> int:
         engine, retention=retention.outbox, batch_size=args.batch_size, archive=args.archive
     )
     report: dict[str, int] = dict(result.__dict__)
+    if retention.history is not None:
+        report["history"] = prune_history(
+            engine, retention=retention.history, batch_size=args.batch_size
+        )
     if retention.inbox is not None:
         pruned = inbox.prune(engine, retention=retention.inbox, batch_size=args.batch_size)
         report |= {"inbox": pruned.inbox, "inbox_duplicates": pruned.duplicates}
@@ -435,6 +450,7 @@ def run_worker(args: argparse.Namespace) -> int:
         inbox_retention=retention.inbox,
         saga_retention=retention.sagas,
         dead_letter_retention=retention.dead_letters,
+        history_retention=retention.history,
     )
     worker = Worker(app, options)
     # Every database the worker will use, connected and checked now rather than by a loop that

@@ -106,6 +106,9 @@ outbox_history = sa.Table(
     sa.Column("archived_at", Timestamp, nullable=False),
 )
 
+#: The columns an outbox row carries into ``outbox_history`` (all but ``archived_at``).
+ARCHIVED_COLUMNS = tuple(c.name for c in outbox_history.columns if c.name != "archived_at")
+
 inbox = sa.Table(
     "inbox_messages",
     metadata,

@@ -97,12 +97,21 @@ class WorkerOptions:
     #: Dead letters older than this are deleted by the cleanup role; None (the default) keeps
     #: them until an operator deletes them.
     dead_letter_retention: timedelta | None = None
+    #: Rows in ``outbox_history`` (``RelayConfig.on_sent="archive"``, or cleanup's archive) older
+    #: than this are deleted by the cleanup role; None (the default) keeps them.
+    history_retention: timedelta | None = None
     relay_wake_interval: float = RELAY_WAKE_INTERVAL
 
     def __post_init__(self) -> None:
         if self.retention < timedelta(0):
             raise errors.ConfigurationError("retention must not be negative")
-        for name in ("inbox_retention", "saga_retention", "dead_letter_retention"):
+        retentions = (
+            "inbox_retention",
+            "saga_retention",
+            "dead_letter_retention",
+            "history_retention",
+        )
+        for name in retentions:
             value = getattr(self, name)
             if value is not None and value <= timedelta(0):
                 raise errors.ConfigurationError(f"{name} must be positive, or None to keep all")
@@ -286,6 +295,8 @@ class Worker:
             inbox.prune(engine, retention=options.inbox_retention, clock=clock)
         if options.dead_letter_retention is not None:
             deadletter.prune(engine, retention=options.dead_letter_retention, clock=clock)
+        if options.history_retention is not None:
+            cleanup.prune_history(engine, retention=options.history_retention, clock=clock)
         # Sagas live in the orchestrator's database only.
         if options.saga_retention is not None and engine is self.main_engine and self.app.sagas:
             store.prune_ended(engine, retention=options.saga_retention, clock=clock)

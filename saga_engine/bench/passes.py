@@ -97,7 +97,7 @@ def step_of(conn: Connection, statement: object) -> str | None:
     if statement is claim.guard:
         return "guard"
     marks = relays.mark_statements(conn, owned=False)
-    if statement is marks.sent or statement is marks.deleted:
+    if any(statement is mark for mark in (marks.sent, marks.deleted, *marks.archived)):
         return "mark"
     return None
 

@@ -294,12 +294,14 @@ def _profiled(target: Callable[[threading.Event], None], path: str | None) -> An
 
 
 def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
-    """The database's ceiling: SKIP LOCKED claim of a batch, then mark it SENT (or delete it, as
-    the relay's ``on_sent`` says); no broker, no order guard, no message building."""
+    """The database's ceiling: SKIP LOCKED claim of a batch, then mark it SENT (or archive or
+    delete it, as the relay's ``on_sent`` says, with the relay's own statements); no broker, no
+    order guard, no message building."""
     import sqlalchemy as sa
 
     from saga_engine import db, schema
     from saga_engine.outbox.claim import ROW_COLUMNS
+    from saga_engine.outbox.relay import mark_statements
 
     t = schema.outbox
     engine = db.create_engine(spec["db"], pool_size=1)
@@ -307,7 +309,7 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     ready()
     cpu_before, done = own_cpu_seconds(), 0
     passes: list[tuple[str, int]] = []
-    delete = spec.get("on_sent") == "delete"
+    on_sent = spec.get("on_sent", "mark")
     while True:
         now = clock.SYSTEM.now()
         with engine.begin() as conn:
@@ -318,15 +320,9 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
                 .limit(spec["batch_size"])
                 .with_for_update(skip_locked=True)
             ).all()
-            claimed = t.c.id.in_([row.id for row in rows])
-            if rows and delete:
-                conn.execute(sa.delete(t).where(claimed))
-            elif rows:
-                conn.execute(
-                    sa.update(t)
-                    .where(claimed)
-                    .values(status=schema.OutboxStatus.SENT, sent_at=now, updated_at=now)
-                )
+            params = {"ids": [row.id for row in rows], "now": now, "token": None}
+            for statement in mark_statements(conn, owned=False).done(on_sent) if rows else ():
+                conn.execute(statement, params)
         if rows:
             passes.append((clock.SYSTEM.now().isoformat(), len(rows)))
         done += len(rows)

@@ -1,8 +1,8 @@
 """``saga-engine bench relay``: outbox -> Kafka throughput, beside its two ceilings, in one run.
 
 1. Write N messages through ``OutboxWriter.add_many`` in transactions of ``--per-transaction``.
-2. Database ceiling: K processes claim batches with ``FOR UPDATE SKIP LOCKED`` and mark them SENT,
-   nothing else (no broker, no order guard, no message building). The rows are then reset.
+2. Database ceiling: K processes claim batches with ``FOR UPDATE SKIP LOCKED`` and mark them SENT
+   (or archive or delete them, as ``--on-sent`` says), nothing else (no broker, no order guard, no message building). The rows are then reset.
 3. The engine's relay with a transport that acknowledges at once: the relay's own cost without a
    broker. Reset again.
 4. Broker ceiling: kafka-python producing the same N messages (same keys and bytes) straight to
@@ -20,8 +20,8 @@ Each phase starts its K processes first and lets them go together once connected
 rate is N / (time of the last acknowledgement - go); for the relays that is when the last pass
 committed its marks, as each relay process notes it. Between phases the outbox is emptied and the
 same N rows (kept in a copy, ``bench_outbox_copy``) are put back as they were written, so every
-phase works on the same table of the same N rows, whether the relays mark the rows SENT or delete
-them (``--on-sent``).
+phase works on the same table of the same N rows, whether the relays mark the rows SENT, archive or
+delete them (``--on-sent``).
 """
 
 from __future__ import annotations
@@ -251,7 +251,9 @@ class Bench:
         env.vacuum(self.engine, t.name)
 
     def _db_ceiling(self) -> float:
-        done = "mark SENT" if self.o.on_sent == "mark" else "delete"
+        done = {"mark": "mark SENT", "archive": "move to outbox_history"}.get(
+            self.o.on_sent, "delete"
+        )
         self.report.section(f"2. database ceiling: SKIP LOCKED claim + {done}, no broker")
         spec = {"db": self.url, "batch_size": self.o.batch_size, "on_sent": self.o.on_sent}
         run = self._phase("claim_mark", [spec] * self.o.relays)
@@ -358,8 +360,10 @@ class Bench:
             if destination is not None:
                 conn.execute(sa.update(copy).values(destination=destination))
             conn.execute(sa.text(f"{empty} {t.name}"))
+            conn.execute(sa.text(f"{empty} {schema.outbox_history.name}"))  # on_sent="archive"
             conn.execute(sa.text(f"INSERT INTO {t.name} SELECT * FROM {COPY}"))
         env.vacuum(self.engine, t.name)
+        env.vacuum(self.engine, schema.outbox_history.name)
 
     # -- verification -----------------------------------------------------------------------
 

@@ -1,13 +1,14 @@
 """Operator actions and the monitoring signals of the outbox (the article's §6.4).
 
 Signals: backlog (PENDING rows), failed rows, oldest pending age, delivery latency percentiles over
-recently sent rows, and table size. Operators re-queue FAILED rows once the cause is fixed.
+recently sent rows (kept in the outbox, or moved to ``outbox_history``), and table size. Operators re-queue FAILED rows once the cause is fixed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import datetime
 
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -15,6 +16,7 @@ from sqlalchemy import Engine
 from saga_engine import clock, schema
 
 t = schema.outbox
+h = schema.outbox_history
 
 
 def requeue_failed(
@@ -63,21 +65,35 @@ def signals(
         oldest = conn.scalar(
             sa.select(sa.func.min(t.c.created_at)).where(t.c.status == schema.OutboxStatus.PENDING)
         )
-        recent = conn.execute(
-            sa.select(t.c.created_at, t.c.sent_at)
-            .where(t.c.status == schema.OutboxStatus.SENT)
-            .order_by(t.c.id.desc())
-            .limit(sample)
-        ).all()
-    latencies = sorted((s - c).total_seconds() * 1000 for c, s in recent if s is not None)
+        archived = conn.scalar(sa.select(sa.func.count()).select_from(h)) or 0
+        recent = [
+            *_recent_sent(conn, t, t.c.status == schema.OutboxStatus.SENT, sample),
+            *_recent_sent(conn, h, sa.true(), sample),
+        ]
+    # The latest ``sample`` deliveries, whether kept in the outbox or moved to the history.
+    recent = sorted(recent, key=lambda row: row[1], reverse=True)[:sample]
+    latencies = sorted((s - c).total_seconds() * 1000 for c, s in recent)
     return OutboxSignals(
         pending=counts.get(schema.OutboxStatus.PENDING, 0),
-        sent=counts.get(schema.OutboxStatus.SENT, 0),
+        sent=counts.get(schema.OutboxStatus.SENT, 0) + archived,
         failed=counts.get(schema.OutboxStatus.FAILED, 0),
         oldest_pending_seconds=(clock.now() - oldest).total_seconds() if oldest else None,
         latency_p50_ms=percentile(latencies, 0.50),
         latency_p99_ms=percentile(latencies, 0.99),
     )
+
+
+def _recent_sent(
+    conn: sa.Connection, table: sa.Table, sent: sa.ColumnElement[bool], sample: int
+) -> list[tuple[datetime, datetime]]:
+    """(created_at, sent_at) of the ``sample`` latest rows of ``table`` that were delivered."""
+    rows = conn.execute(
+        sa.select(table.c.created_at, table.c.sent_at)
+        .where(sent, table.c.sent_at.is_not(None))
+        .order_by(table.c.id.desc())
+        .limit(sample)
+    ).all()
+    return [(created, sent_at) for created, sent_at in rows]
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:

@@ -179,7 +179,7 @@ class Statements:
             .limit(_LIMIT)
             .with_for_update(skip_locked=True),
             candidates=sa.select(t.c.id).where(*due, free).order_by(t.c.id).limit(_LIMIT),
-            take=_by_primary_key(
+            take=by_primary_key(
                 sa.select(*ROW_COLUMNS)
                 .where(id_in, IS_PENDING, free)
                 .order_by(t.c.id)
@@ -194,14 +194,14 @@ class Statements:
                 sa.not_(id_in),
             )
             .group_by(t.c.partition_key),
-            lock=_by_primary_key(sa.select(t.c.id).where(id_in).order_by(t.c.id).with_for_update()),
+            lock=by_primary_key(sa.select(t.c.id).where(id_in).order_by(t.c.id).with_for_update()),
             release=sa.update(t)
             .where(id_in, t.c.claimed_by == _TOKEN)
             .values(claimed_by=sa.null(), lease_until=sa.null()),
         )
 
 
-def _by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
+def by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
     """``select``, told to read (and so lock) rows through the primary key on MySQL/MariaDB.
 
     InnoDB locks every index record a locking read scans. Left to itself, it may find the rows of

@@ -3,6 +3,8 @@
 SENT rows older than the retention are deleted in bounded batches until none are left, each batch
 its own short transaction, so cleanup never holds a long lock or builds one huge undo log. With
 ``archive=True`` each batch is first copied to ``outbox_history`` in the same transaction.
+``prune_history`` deletes history rows past a retention of their own (the history is kept
+whole unless asked).
 On PostgreSQL at very high volume, partitioning the outbox by day and dropping old partitions is
 cheaper still; docs/outbox.md shows how.
 """
@@ -20,7 +22,7 @@ from saga_engine import clock, db, schema
 
 t = schema.outbox
 h = schema.outbox_history
-HISTORY_COLUMNS = [c.name for c in h.columns if c.name != "archived_at"]
+HISTORY_COLUMNS = list(schema.ARCHIVED_COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,47 @@ def cleanup(
 
     totals, batches = db.delete_in_batches(engine, batch, max_batches)
     return CleanupResult(totals["deleted"], totals["archived"], batches)
+
+
+def prune_history(
+    engine: Engine,
+    *,
+    retention: timedelta,
+    batch_size: int = 1000,
+    clock: clock.Clock = clock.SYSTEM,
+    max_batches: int | None = None,
+) -> int:
+    """Delete ``outbox_history`` rows archived longer ago than ``retention``; how many.
+
+    The history has no index but its primary key, so that archiving a row costs one index entry
+    (``RelayConfig.on_sent="archive"``). Rows are archived in about the order of their ids, so
+    this walks the table by id from the lowest, ``batch_size`` rows at a time, and stops at the
+    first batch in which no row is old enough. A row archived out of order (one that waited in
+    retry backoff) goes in a later run, once the rows before it have gone.
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    if retention <= timedelta(0):
+        raise ValueError("retention must be positive")
+    cutoff = clock.now() - retention
+    after = -1  # the walk's position: every id up to it was old enough, or kept
+
+    def batch(conn: sa.Connection) -> dict[str, int]:
+        nonlocal after
+        rows = conn.execute(
+            sa.select(h.c.id, h.c.archived_at)
+            .where(h.c.id > after)
+            .order_by(h.c.id)
+            .limit(batch_size)
+        ).all()
+        old = [row_id for row_id, archived_at in rows if archived_at < cutoff]
+        if not old:
+            return {}
+        after = rows[-1][0]
+        return {"deleted": conn.execute(sa.delete(h).where(h.c.id.in_(old))).rowcount}
+
+    totals, _ = db.delete_in_batches(engine, batch, max_batches)
+    return totals["deleted"]
 
 
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:

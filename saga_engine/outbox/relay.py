@@ -2,8 +2,8 @@
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
 (one broker round trip per message of its busiest key: see ``_publish_in_key_order``), mark
-every acknowledged row SENT with one UPDATE (or delete them all with one DELETE, when
-``on_sent="delete"``), and give each failed row ``retry_count + 1`` and an exponential, jittered
+every acknowledged row SENT with one UPDATE (or move them to ``outbox_history`` with
+``on_sent="archive"``, or delete them with one DELETE with ``on_sent="delete"``), and give each failed row ``retry_count + 1`` and an exponential, jittered
 ``next_retry_at`` (FAILED past ``max_retries``). Nothing is marked before the broker acknowledged
 it, so a relay killed at any point loses nothing: whatever it had in flight is published again and
 the consumers' inbox absorbs the duplicate.
@@ -30,7 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine, exc
 
-from saga_engine import clock, db, schema
+from saga_engine import clock, db, errors, schema
 from saga_engine.outbox import claim as claims
 from saga_engine.outbox.claim import OutboxRow
 from saga_engine.outbox.notify import Wakeup
@@ -39,8 +39,9 @@ from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 log = logging.getLogger(__name__)
 t = schema.outbox
 
-#: ``RelayConfig.on_sent``: keep acknowledged rows as SENT, or delete them.
-ON_SENT = ("mark", "delete")
+#: ``RelayConfig.on_sent``: keep acknowledged rows as SENT, move them to ``outbox_history``, or
+#: delete them.
+ON_SENT = ("mark", "archive", "delete")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,10 @@ class RelayConfig:
     outage_backoff_cap: float = 5.0
     pool_size: int = 2
     #: What becomes of an acknowledged row: ``"mark"`` keeps it, SENT, until cleanup deletes it
-    #: after the retention; ``"delete"`` deletes it at once (the article's "or delete the record
-    #: directly"), which costs the database a sixth as much and keeps no history (docs/outbox.md).
+    #: after the retention; ``"archive"`` moves it, SENT, to ``outbox_history`` at once, which
+    #: costs the database half as much and keeps the outbox to undelivered rows; ``"delete"``
+    #: deletes it at once (the article's "or delete the record directly"), which costs a sixth
+    #: as much and keeps no history (docs/outbox.md).
     on_sent: str = "mark"
 
     def __post_init__(self) -> None:
@@ -124,6 +127,8 @@ class Relay:
         self.strategy = claims.strategy_for(
             engine, self.config.claim, timedelta(seconds=self.config.lease_seconds)
         )
+        if self.config.on_sent == "archive":
+            check_archive_supported(engine)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -224,8 +229,8 @@ class Relay:
         marked = 0
         if sent:
             params = {"ids": sent, "now": now, "token": batch.token}
-            done = statements.deleted if self.config.on_sent == "delete" else statements.sent
-            marked = batch.conn.execute(done, params).rowcount
+            for statement in statements.done(self.config.on_sent):
+                marked = batch.conn.execute(statement, params).rowcount
             if marked < len(sent):
                 # Our lease ran out mid-publish and another relay owns them: it will send again.
                 log.warning("%d published rows were no longer ours to mark", len(sent) - marked)
@@ -453,17 +458,27 @@ class MarkStatements:
 
     sent: sa.Update
     deleted: sa.Delete
+    #: Run in this order: the last one's rowcount is the number of rows archived.
+    archived: tuple[sa.Executable, ...]
     failed: sa.Update
+
+    def done(self, on_sent: str) -> tuple[sa.Executable, ...]:
+        """The statements that settle acknowledged rows as ``on_sent`` says."""
+        if on_sent == "archive":
+            return self.archived
+        return (self.deleted,) if on_sent == "delete" else (self.sent,)
 
     @classmethod
     def build(cls, *, array: bool, owned: bool) -> MarkStatements:
         now = sa.bindparam("now", type_=t.c.sent_at.type)
         ids = claims.in_list(t.c.id, "ids", array=array)
-        sent, deleted = sa.update(t).where(ids), sa.delete(t).where(ids)
+        acknowledged = [ids]
         failed = sa.update(t).where(t.c.id == sa.bindparam("row_id"))
         if owned:
             mine = t.c.claimed_by == sa.bindparam("token", type_=t.c.claimed_by.type)
-            sent, deleted, failed = sent.where(mine), deleted.where(mine), failed.where(mine)
+            acknowledged.append(mine)
+            failed = failed.where(mine)
+        sent, deleted = sa.update(t).where(*acknowledged), sa.delete(t).where(*acknowledged)
         released = {"claimed_by": sa.null(), "lease_until": sa.null()}
         return cls(
             sent=sent.values(
@@ -475,6 +490,7 @@ class MarkStatements:
             # A DELETE only stamps each row dead: no new row version, and no new entry in each of
             # the table's full indexes (7.8 -> 0.9 us of server CPU per message).
             deleted=deleted,
+            archived=_archive(acknowledged, now, array=array),
             failed=failed.values(
                 status=sa.bindparam("new_status"),
                 retry_count=sa.bindparam("new_retry_count"),
@@ -484,6 +500,64 @@ class MarkStatements:
                 **released,
             ),
         )
+
+
+def _archive(
+    acknowledged: Sequence[sa.ColumnElement[bool]], now: sa.BindParameter[Any], *, array: bool
+) -> tuple[sa.Executable, ...]:
+    """Move the ``acknowledged`` rows to ``outbox_history``, stamped SENT at ``now``.
+
+    A move writes less than a mark: the DELETE only stamps the row dead, and the history takes one
+    new row with one index entry, where the mark's UPDATE writes a new row version and an entry in
+    each of the outbox's three full indexes (a 500-row batch: 2.7 ms against 5.6 on PostgreSQL).
+    On PostgreSQL one statement (a ``DELETE ... RETURNING`` feeding the ``INSERT``); elsewhere the
+    INSERT ... SELECT comes first and reads through the primary key, in id order, like the locks
+    every claim and mark takes (see ``claims.by_primary_key``).
+    """
+    history = schema.outbox_history
+    stamped: dict[str, sa.ColumnElement[Any]] = {
+        "status": claims.status_literal(schema.OutboxStatus.SENT),
+        "sent_at": now,
+        "updated_at": now,
+    }
+
+    def copied(source: sa.TableClause | sa.CTE) -> sa.Select[Any]:
+        values = [stamped.get(name, source.c[name]) for name in schema.ARCHIVED_COLUMNS]
+        return sa.select(*(v.label(f"archived_{i}") for i, v in enumerate([*values, now])))
+
+    columns = [*schema.ARCHIVED_COLUMNS, "archived_at"]
+    delete = sa.delete(t).where(*acknowledged)
+    if array:
+        returned = [t.c[name] for name in schema.ARCHIVED_COLUMNS]
+        moved = delete.returning(*returned).cte("moved")
+        # SQLAlchemy keeps an INSERT's rowcount only when asked: it is the number archived.
+        insert = history.insert().from_select(columns, copied(moved))
+        return (insert.execution_options(preserve_rowcount=True),)
+    source = claims.by_primary_key(copied(t).where(*acknowledged))
+    return history.insert().from_select(columns, source), delete
+
+
+def check_archive_supported(engine: Engine) -> None:
+    """Refuse ``on_sent="archive"`` where the outbox may hand out an id again.
+
+    ``outbox_history`` is keyed by the outbox's ids, and archiving empties the outbox. SQLite then
+    gives the next row the id 1 again, as does MySQL before 8.0 after a restart: the archive of
+    that row would collide with the earlier one.
+    """
+    dialect = engine.dialect
+    if dialect.name == "sqlite":
+        raise errors.ConfigurationError(
+            'on_sent="archive" needs ids that are never handed out again: SQLite reuses them '
+            'once the table is empty; use "mark" or "delete" there'
+        )
+    if dialect.name == "mysql" and not getattr(dialect, "is_mariadb", False):
+        with engine.connect() as conn:  # server_version_info is known only after a connect
+            conn.execute(sa.text("SELECT 1"))
+        if (dialect.server_version_info or (0,)) < (8, 0):
+            raise errors.ConfigurationError(
+                'on_sent="archive" needs MySQL 8.0 or later: earlier servers forget the next '
+                'id on restart and hand out ids of archived rows again; use "mark" or "delete"'
+            )
 
 
 #: By (binds lists as arrays, leased batch).

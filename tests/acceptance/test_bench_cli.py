@@ -34,7 +34,7 @@ def bench(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedPr
     )
 
 
-@pytest.mark.parametrize(("on_sent", "rounds"), [("mark", 3), ("delete", 1)])
+@pytest.mark.parametrize(("on_sent", "rounds"), [("mark", 3), ("archive", 1), ("delete", 1)])
 def test_bench_relay_json_reports_no_loss(
     pg_url: str, kafka_url: str, tmp_path: Path, on_sent: str, rounds: int
 ) -> None:

@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from saga_engine import clock, db, ids, schema
-from saga_engine.outbox.cleanup import CleanupResult, cleanup
+from saga_engine.outbox.cleanup import CleanupResult, cleanup, prune_history
 
 t = schema.outbox
 h = schema.outbox_history
@@ -174,3 +174,60 @@ def test_cleanup_through_the_cli(db_url: str, engines: list[object]) -> None:
         timeout=60,
     )
     assert refused.returncode != 0 and "--keep-inbox" in refused.stderr
+
+
+def history_row(row_id: int, archived_at: datetime) -> dict[str, Any]:
+    return {
+        **row(SENT, timedelta(0), archived_at, row_id),
+        "id": row_id,
+        "archived_at": archived_at,
+    }
+
+
+def test_prune_history_walks_the_history_by_id_and_keeps_what_is_recent(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = setup(db_url, engines)
+    now = datetime(2030, 6, 1, 12, 0, 0)
+    old, recent = now - timedelta(days=31), now - timedelta(days=29)
+    # 1-2000 archived a month ago but 1500 (it waited in retry backoff), 2001-2500 recently.
+    archived = {i: old if i <= 2000 and i != 1500 else recent for i in range(1, 2501)}
+    with engine.begin() as conn:
+        conn.execute(h.insert(), [history_row(i, at) for i, at in archived.items()])
+
+    pruned = prune_history(
+        engine, retention=timedelta(days=30), batch_size=1000, clock=ClockDouble(now)
+    )
+
+    assert pruned == 1999
+    with engine.connect() as conn:
+        left = set(conn.scalars(sa.select(h.c.id)))
+    assert left == {1500, *range(2001, 2501)}
+    later = ClockDouble(now + timedelta(days=2))  # the rest is past the retention now
+    assert prune_history(engine, retention=timedelta(days=30), clock=later) == 501
+    with pytest.raises(ValueError):
+        prune_history(engine, retention=timedelta(days=30), batch_size=0)
+
+
+def test_the_cli_prunes_the_history_only_when_given_its_retention(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = setup(db_url, engines)
+    now = clock.SYSTEM.now()  # the CLI uses the wall clock
+    with engine.begin() as conn:
+        conn.execute(h.insert(), [history_row(1, now - timedelta(days=40)), history_row(2, now)])
+
+    def run(*options: str) -> subprocess.CompletedProcess[str]:
+        command = [CLI, "cleanup", "--db", db_url, "--keep-inbox", *options]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    done = run()
+    assert done.returncode == 0, done.stderr
+    assert "history" not in json.loads(done.stdout)
+    done = run("--history-retention-days", "30")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["history"] == 1
+    with engine.connect() as conn:
+        assert list(conn.scalars(sa.select(h.c.id))) == [2]
+    refused = run("--history-retention-days", "0")
+    assert refused.returncode != 0 and "--history-retention-days" in refused.stderr

@@ -242,7 +242,17 @@ KILL_CASES = [
         "pg_url", "auto", "delete", marks=pytest.mark.postgres, id="postgres-skip_locked-delete"
     ),
     pytest.param(
+        "pg_url", "auto", "archive", marks=pytest.mark.postgres, id="postgres-skip_locked-archive"
+    ),
+    pytest.param(
         "mariadb_url", "optimistic", "mark", marks=pytest.mark.mariadb, id="mariadb-optimistic"
+    ),
+    pytest.param(
+        "mariadb_url",
+        "optimistic",
+        "archive",
+        marks=pytest.mark.mariadb,
+        id="mariadb-optimistic-archive",
     ),
 ]
 
@@ -281,3 +291,8 @@ def test_a_relay_killed_mid_batch_loses_nothing(
     print(f"{claim}: marked {marked_before} before the kill, {duplicates} duplicates after it")
     assert set(delivered) == set(messages)  # every message arrived at least once
     assert duplicates <= batch  # at most the batch that was in flight
+    if on_sent == "archive":  # each delivered row moved to the history once, none left behind
+        with engine.connect() as conn:
+            archived = list(conn.scalars(sa.select(schema.outbox_history.c.message_id)))
+            assert conn.scalar(sa.select(sa.func.count()).select_from(t)) == 0
+        assert sorted(archived) == sorted(messages)

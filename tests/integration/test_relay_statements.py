@@ -19,8 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from saga_engine import db, schema
+from saga_engine.errors import ConfigurationError
 from saga_engine.messages import Envelope
-from saga_engine.outbox import OutboxWriter
+from saga_engine.outbox import OutboxWriter, admin
 from saga_engine.outbox import claim as claims
 from saga_engine.outbox.relay import BatchOutcome, Relay, RelayConfig
 from saga_engine.transport.base import Consumer, OutgoingMessage, PublishResult, Transport
@@ -231,6 +232,85 @@ def test_on_sent_delete_of_a_leased_batch_spares_rows_another_relay_took(
         results = [PublishResult(r.message_id) for r in claim.rows]
         assert relay._mark(claim, results).published == 0
     assert sorted(s for s, _ in statuses(engine).values()) == [PENDING] * 3
+
+
+# -- on_sent="archive": acknowledged rows move to outbox_history ---------------------------
+
+
+def needs_reusable_ids_refused(engine: sa.Engine) -> None:
+    """Skip on SQLite, which refuses archiving (see the test after these)."""
+    if engine.dialect.name == "sqlite":
+        pytest.skip("SQLite hands out ids again: archive is refused there")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "optimistic"])
+def test_on_sent_archive_moves_the_acknowledged_rows_to_history_and_keeps_the_failed(
+    engine: sa.Engine, strategy: str
+) -> None:
+    needs_reusable_ids_refused(engine)
+    messages = write(engine, [envelope("a", 0), envelope("a", 1), envelope("b"), envelope("c")])
+    failing = messages[2].message_id
+    with engine.connect() as conn:
+        written = {r.message_id: r for r in conn.execute(sa.select(t)).all()}
+    config = RelayConfig(claim=strategy, on_sent="archive", backoff_base=60)
+    clock = ClockDouble(LATER)
+    relay = Relay(engine, FailingTransportDouble({failing}), config, clock=clock)
+    log = StatementLog(engine)
+    assert relay.run_once() == BatchOutcome(published=3, retried=1, failed=0, claimed=4)
+
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(t.c.message_id, t.c.status, t.c.retry_count)).all()
+        archived = conn.execute(sa.select(schema.outbox_history)).all()
+    assert left == [(failing, PENDING, 1)]  # in backoff, for the next attempt
+    assert sorted(r.message_id for r in archived) == sorted(set(written) - {failing})
+    for row in archived:  # every column carried over; SENT, stamped with the relay's clock
+        before = written[row.message_id]
+        for name in schema.ARCHIVED_COLUMNS:
+            if name not in ("status", "sent_at", "updated_at"):
+                assert getattr(row, name) == getattr(before, name), name
+        assert (row.status, row.sent_at, row.updated_at, row.archived_at) == (SENT, *[LATER] * 3)
+    if is_postgres(engine):
+        ((sql, params),) = log.matching("INSERT INTO outbox_history")
+        assert "WITH moved AS (DELETE FROM outbox_messages" in sql and len(params["ids"]) == 3
+    else:
+        ((insert_sql, _),) = log.matching("INSERT INTO outbox_history")
+        ((delete_sql, _),) = log.matching("DELETE FROM outbox_messages")
+        assert "id IN (" in insert_sql and "id IN (" in delete_sql
+        assert log.sent.index(log.matching("INSERT INTO outbox_history")[0]) < log.sent.index(
+            log.matching("DELETE FROM outbox_messages")[0]
+        )
+    assert not log.matching("SET status=1")
+    signals = admin.signals(engine, clock=clock)  # archived rows count as sent
+    assert (signals.pending, signals.sent, signals.latency_p50_ms) == (1, 3, 1000.0)
+
+
+def test_on_sent_archive_of_a_leased_batch_spares_rows_another_relay_took(
+    engine: sa.Engine,
+) -> None:
+    needs_reusable_ids_refused(engine)
+    write(engine, [envelope(f"k{i}") for i in range(3)])
+    strategy = claims.OptimisticClaim(timedelta(seconds=30))
+    with strategy.claim(engine, 10, START + timedelta(seconds=1)) as claim:
+        with engine.begin() as conn:  # the lease ran out and another relay leased the rows
+            conn.execute(sa.update(t).where(t.c.id != claim.rows[0].id).values(claimed_by="thief"))
+        relay = Relay(engine, MemoryTransport(), RelayConfig(claim="optimistic", on_sent="archive"))
+        results = [PublishResult(r.message_id) for r in claim.rows]
+        assert relay._mark(claim, results).published == 1  # only the row still ours
+    assert sorted(s for s, _ in statuses(engine).values()) == [PENDING] * 2
+    with engine.connect() as conn:
+        archived = conn.scalars(sa.select(schema.outbox_history.c.id)).all()
+    assert archived == [claim.rows[0].id]
+
+
+@pytest.mark.sqlite
+def test_sqlite_refuses_on_sent_archive(sqlite_url: str) -> None:
+    engine = db.create_engine(sqlite_url)
+    try:
+        with pytest.raises(ConfigurationError, match="SQLite reuses them"):
+            Relay(engine, MemoryTransport(), RelayConfig(on_sent="archive"))
+        Relay(engine, MemoryTransport(), RelayConfig(on_sent="delete"))  # the others are fine
+    finally:
+        engine.dispose()
 
 
 # -- the claim's plans ----------------------------------------------------------------------

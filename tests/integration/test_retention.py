@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from saga_engine import clock, db, deadletter, errors, ids, schema, store
+from saga_engine.outbox import cleanup
 
 NOW = datetime(2030, 6, 1, 12, 0, 0)
 MONTH = timedelta(days=30)
@@ -134,10 +135,10 @@ def test_pruning_stops_after_max_batches_and_refuses_bad_settings(sqlite_url: st
     assert store.prune_ended(engine, **once) == 305
     with pytest.raises(ValueError, match="batch_size"):
         store.prune_ended(engine, retention=MONTH, batch_size=0)
-    for prune in (store.prune_ended, deadletter.prune):
+    for prune in (store.prune_ended, deadletter.prune, cleanup.prune_history):
         with pytest.raises(ValueError, match="retention"):
             prune(engine, retention=timedelta(0))
-    for name in ("saga_retention", "dead_letter_retention"):
+    for name in ("saga_retention", "dead_letter_retention", "history_retention"):
         with pytest.raises(errors.ConfigurationError, match=name):
             from saga_engine.worker import WorkerOptions
 
@@ -160,6 +161,7 @@ def test_the_workers_cleanup_role_prunes_ended_sagas_and_dead_letters_only_when_
         cleanup_interval=0.05,
         saga_retention=MONTH if told else None,
         dead_letter_retention=timedelta(days=7) if told else None,
+        history_retention=MONTH if told else None,
     )
     worker = Worker(app, options)
     groups = fill_sagas(worker.main_engine, now)
@@ -167,6 +169,9 @@ def test_the_workers_cleanup_role_prunes_ended_sagas_and_dead_letters_only_when_
     inbox_entry = {"consumer": "c", "message_id": "m-old", "received_at": now - 2 * MONTH}
     with worker.main_engine.begin() as conn:
         conn.execute(schema.inbox.insert(), inbox_entry)
+        conn.execute(
+            schema.outbox_history.insert(), [archived(1, now - 2 * MONTH), archived(2, now)]
+        )
     kept = ["ended_lately", "running_for_long"] if told else list(groups)
     worker.start()
     try:
@@ -177,8 +182,30 @@ def test_the_workers_cleanup_role_prunes_ended_sagas_and_dead_letters_only_when_
         time.sleep(0.2)  # a few more passes
         assert saga_ids(worker.main_engine) == ids_of(*(groups[name] for name in kept))
         assert dead_letter_ages(worker.main_engine, now) == ([1] if told else [1, 8, 90])
+        with worker.main_engine.connect() as conn:
+            history = list(conn.scalars(sa.select(schema.outbox_history.c.id)))
+        assert history == ([2] if told else [1, 2])
     finally:
         worker.stop()
+
+
+def archived(row_id: int, at: datetime) -> dict[str, object]:
+    """A row of ``outbox_history`` archived ``at``."""
+    return {
+        "id": row_id,
+        "message_id": f"m-{row_id}",
+        "message_type": "OrderCreated",
+        "destination": "orders",
+        "partition_key": f"o-{row_id}",
+        "headers": "{}",
+        "payload": "{}",
+        "status": schema.OutboxStatus.SENT,
+        "next_retry_at": at,
+        "created_at": at,
+        "updated_at": at,
+        "sent_at": at,
+        "archived_at": at,
+    }
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -87,7 +87,7 @@ def test_backoff_survives_absurd_retry_counts() -> None:
         {"poll_interval": 0},
         {"ack_timeout": -1},
         {"max_retries": 0},
-        {"on_sent": "archive"},
+        {"on_sent": "keep"},
     ],
 )
 def test_relay_config_rejects_nonsense(bad: dict[str, float]) -> None:
@@ -100,7 +100,7 @@ def test_both_relay_commands_offer_every_on_sent_choice(on_sent: str) -> None:
     # The parsers spell the choices out (importing the relay would slow every command's start).
     from saga_engine.cli import build_parser
 
-    for command in (["relay"], ["bench", "relay"]):
+    for command in (["relay"], ["bench", "relay"], ["bench", "pass"]):
         args = build_parser().parse_args([*command, "--on-sent", on_sent])
         assert args.on_sent == on_sent
 
