@@ -62,8 +62,8 @@ def _relay(sub: Any) -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="broker ceiling and relay runs, alternated; the ratio is their median (default 3)",
+        default=5,
+        help="broker ceiling and relay runs, back to back; the ratio is their median (default 5)",
     )
     parser.add_argument(
         "--log-acks",

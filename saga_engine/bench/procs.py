@@ -357,12 +357,16 @@ def producer_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     from saga_engine.outbox.claim import ROW_COLUMNS
     from saga_engine.outbox.relay import to_outgoing
 
-    t = schema.outbox
+    # The rows as written (``source``, by default the outbox): a relay that ran just before may
+    # have archived or deleted the outbox's.
+    source = sa.table(
+        spec.get("source", schema.outbox.name), *(sa.column(c.name) for c in ROW_COLUMNS)
+    )
     engine = db.create_engine(spec["db"], pool_size=1)
     share, of = ch.index, spec["children"]
     with engine.connect() as conn:
         rows: list[Any] = conn.execute(
-            sa.select(*ROW_COLUMNS).where(t.c.id % of == share).order_by(t.c.id)
+            sa.select(*source.c).where(source.c.id % of == share).order_by(source.c.id)
         ).all()  # type: ignore[assignment, unused-ignore]
     engine.dispose()
     messages = [to_outgoing(row) for row in rows]

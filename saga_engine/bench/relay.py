@@ -13,8 +13,9 @@
 
 Steps 4 and 5 make one round, repeated ``--rounds`` times (each on reset rows, to a topic of its
 own). On a shared machine either rate moves by tens of percent from one run to the next, so the
-ratio printed is the median of the rounds' ratios, each taken from two runs seconds apart; lost,
-duplicated and reordered messages are summed over all rounds.
+ratio printed is the median of the rounds' ratios, each taken from two runs back to back, the
+producer first in one round and the relay first in the next; lost, duplicated and reordered
+messages are summed over all rounds.
 
 Each phase starts its K processes first and lets them go together once connected and warm, so a
 rate is N / (time of the last acknowledgement - go); for the relays that is when the last pass
@@ -70,7 +71,7 @@ class Options:
     keep_db: bool = False
     profile: str | None = None
     #: Times the broker ceiling and the relay run, alternately: the ratio is their median.
-    rounds: int = 3
+    rounds: int = 5
     #: The relays log every acknowledged record batch (its offsets), so that a loss can be traced
     #: to where the broker said the messages went. Costs relay CPU: off for measuring.
     log_acks: bool = False
@@ -174,14 +175,23 @@ class Bench:
     # -- phases -------------------------------------------------------------------------------
 
     def _round(self, index: int) -> dict[str, Any]:
-        """The broker ceiling and then the relay, on freshly reset rows bound for this round's
-        topic; the round's rates and what its read-back found."""
+        """The broker ceiling and the relay back to back, on freshly reset rows bound for this
+        round's topic, then the one-process producer; the round's rates and what its read-back
+        found.
+
+        The two phases of the ratio run one after the other, in turns first: the host's speed
+        drifts by tens of percent within a minute, and a drift then favours neither side.
+        """
         o, topic = self.o, self.topics[index]
         self.report.section(f"round {index + 1} of {o.rounds}: topic {topic}")
         self._reset(destination=topic)
-        raw = self._raw_producer("raw_producer", o.relays)
+        if index % 2 == 0:
+            raw = self._raw_producer("raw_producer", o.relays)
+            relay = self._relay_phase("relay", broker=self.broker.url, topic=topic)
+        else:
+            relay = self._relay_phase("relay", broker=self.broker.url, topic=topic)
+            raw = self._raw_producer("raw_producer", o.relays)
         raw_one = self._raw_producer("raw_producer_1", 1) if o.relays > 1 else raw
-        relay = self._relay_phase("relay", broker=self.broker.url, topic=topic)
         lost, duplicates, order_violations = self._verify(topic)
         self.report.ratio("round_ratio", relay, raw, "this round: relay / raw producer")
         return {
@@ -293,6 +303,7 @@ class Bench:
             "children": children,
             "topic": self.raw_topic,
             "bootstrap": self.broker.bootstrap,
+            "source": COPY,
         }
         run = self._phase("producer", [spec] * children)
         end = max(datetime.fromisoformat(r["end"]) for r in run.results)
