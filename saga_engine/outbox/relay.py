@@ -2,11 +2,12 @@
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
 (one broker round trip per message of its busiest key: see ``_publish_in_key_order``), mark
-every acknowledged row SENT with one UPDATE (or move them to ``outbox_history`` with
-``on_sent="archive"``, or delete them with one DELETE with ``on_sent="delete"``), and give each failed row ``retry_count + 1`` and an exponential, jittered
-``next_retry_at`` (FAILED past ``max_retries``). Nothing is marked before the broker acknowledged
-it, so a relay killed at any point loses nothing: whatever it had in flight is published again and
-the consumers' inbox absorbs the duplicate.
+every acknowledged row SENT with one UPDATE (or move them all to ``outbox_history`` with
+``on_sent="archive"``, or delete them with one DELETE with ``on_sent="delete"``), and give each
+failed row ``retry_count + 1`` and an exponential, jittered ``next_retry_at`` (FAILED past
+``max_retries``). Nothing is marked before the broker acknowledged it, so a relay killed at any
+point loses nothing: whatever it had in flight is published again and the consumers' inbox absorbs
+the duplicate.
 
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the next poll, or a stop request, whichever comes first. Polls
