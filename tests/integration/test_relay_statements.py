@@ -237,17 +237,24 @@ def test_on_sent_delete_of_a_leased_batch_spares_rows_another_relay_took(
 # -- on_sent="archive": acknowledged rows move to outbox_history ---------------------------
 
 
-def needs_reusable_ids_refused(engine: sa.Engine) -> None:
-    """Skip on SQLite, which refuses archiving (see the test after these)."""
-    if engine.dialect.name == "sqlite":
-        pytest.skip("SQLite hands out ids again: archive is refused there")
+@pytest.fixture(
+    params=[
+        pytest.param("pg_url", marks=pytest.mark.postgres, id="postgres"),
+        pytest.param("mariadb_url", marks=pytest.mark.mariadb, id="mariadb"),
+    ]
+)
+def server_engine(request: pytest.FixtureRequest) -> Iterator[sa.Engine]:
+    """An engine on each database that can archive (SQLite refuses: see the test after these)."""
+    engine = db.create_engine(request.getfixturevalue(request.param), pool_size=4)
+    yield engine
+    engine.dispose()
 
 
 @pytest.mark.parametrize("strategy", ["auto", "optimistic"])
 def test_on_sent_archive_moves_the_acknowledged_rows_to_history_and_keeps_the_failed(
-    engine: sa.Engine, strategy: str
+    server_engine: sa.Engine, strategy: str
 ) -> None:
-    needs_reusable_ids_refused(engine)
+    engine = server_engine
     messages = write(engine, [envelope("a", 0), envelope("a", 1), envelope("b"), envelope("c")])
     failing = messages[2].message_id
     with engine.connect() as conn:
@@ -285,9 +292,9 @@ def test_on_sent_archive_moves_the_acknowledged_rows_to_history_and_keeps_the_fa
 
 
 def test_on_sent_archive_of_a_leased_batch_spares_rows_another_relay_took(
-    engine: sa.Engine,
+    server_engine: sa.Engine,
 ) -> None:
-    needs_reusable_ids_refused(engine)
+    engine = server_engine
     write(engine, [envelope(f"k{i}") for i in range(3)])
     strategy = claims.OptimisticClaim(timedelta(seconds=30))
     with strategy.claim(engine, 10, START + timedelta(seconds=1)) as claim:
