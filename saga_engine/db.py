@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -150,6 +151,16 @@ def check_connection(engine: Engine) -> None:
         ) from None
 
 
+def server_version(engine: Engine) -> tuple[int, ...]:
+    """The server's version, as SQLAlchemy's dialect parsed it (its leading numbers); (0,) when
+    it could not."""
+    with engine.connect() as conn:  # server_version_info is known only after a first connect
+        conn.execute(sa.text("SELECT 1"))
+    info = engine.dialect.server_version_info or ()
+    leading = itertools.takewhile(lambda part: isinstance(part, int), info)
+    return tuple(int(part) for part in leading) or (0,)
+
+
 def dialect_name(bind: Connection | Engine) -> str:
     name = bind.dialect.name
     return "mysql" if name == "mariadb" else name
@@ -179,6 +190,14 @@ def delete_in_batches(
     return totals, batches
 
 
+def check_pruning(batch_size: int, retention: timedelta) -> None:
+    """Refuse a pruner's settings that would loop forever or delete everything at once."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    if retention <= timedelta(0):
+        raise ValueError("retention must be positive")
+
+
 def delete_older_than(
     engine: Engine,
     column: sa.Column[Any],
@@ -195,10 +214,7 @@ def delete_older_than(
     ``column`` should lead an index, or every batch reads the whole table. The table's key is
     selected first and deleted by value: DELETE ... LIMIT is MySQL-only.
     """
-    if batch_size < 1:
-        raise ValueError("batch_size must be positive")
-    if retention <= timedelta(0):
-        raise ValueError("retention must be positive")
+    check_pruning(batch_size, retention)
     table = column.table
     (key,) = table.primary_key.columns
     oldest = sa.select(key).where(column < now - retention).order_by(column).limit(batch_size)
@@ -263,8 +279,8 @@ class Array(sa.TypeDecorator[list[Any]]):
 
     SQLAlchemy's psycopg dialect copies psycopg's adapters when it is made, so
     :func:`create_engine` registers the binary form before it makes an engine, and a process on
-    SQLite or MySQL never imports psycopg for it. (In a process that made no engine that way, these lists
-    keep the text form: slower, with the same result.)
+    SQLite or MySQL never imports psycopg for it. (In a process that made no engine that way,
+    these lists keep the text form: slower, with the same result.)
 
     Only parameters of this type change form: a plain list a user binds elsewhere keeps the text
     form, whose untyped literal PostgreSQL fits to any column (a binary ``text[]`` would not

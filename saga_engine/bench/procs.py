@@ -320,9 +320,10 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
                 .limit(spec["batch_size"])
                 .with_for_update(skip_locked=True)
             ).all()
-            params = {"ids": [row.id for row in rows], "now": now, "token": None}
-            for statement in mark_statements(conn, owned=False).done(on_sent) if rows else ():
-                conn.execute(statement, params)
+            if rows:
+                params = {"ids": [row.id for row in rows], "now": now, "token": None}
+                for statement in mark_statements(conn, owned=False).done(on_sent):
+                    conn.execute(statement, params)
         if rows:
             passes.append((clock.SYSTEM.now().isoformat(), len(rows)))
         done += len(rows)
@@ -352,16 +353,14 @@ def producer_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     (same keys and bytes as the relay sends) with acks=all, as fast as it can."""
     import sqlalchemy as sa
 
-    from saga_engine import db, schema
+    from saga_engine import db
     from saga_engine.bench import env
     from saga_engine.outbox.claim import ROW_COLUMNS
     from saga_engine.outbox.relay import to_outgoing
 
-    # The rows as written (``source``, by default the outbox): a relay that ran just before may
-    # have archived or deleted the outbox's.
-    source = sa.table(
-        spec.get("source", schema.outbox.name), *(sa.column(c.name) for c in ROW_COLUMNS)
-    )
+    # The rows as written (``source``, the bench's copy): a relay that ran just before may have
+    # archived or deleted the outbox's.
+    source = sa.table(spec["source"], *(sa.column(c.name) for c in ROW_COLUMNS))
     engine = db.create_engine(spec["db"], pool_size=1)
     share, of = ch.index, spec["children"]
     with engine.connect() as conn:

@@ -2,7 +2,8 @@
 
 1. Write N messages through ``OutboxWriter.add_many`` in transactions of ``--per-transaction``.
 2. Database ceiling: K processes claim batches with ``FOR UPDATE SKIP LOCKED`` and mark them SENT
-   (or archive or delete them, as ``--on-sent`` says), nothing else (no broker, no order guard, no message building). The rows are then reset.
+   (or archive or delete them, as ``--on-sent`` says), nothing else (no broker, no order guard, no
+   message building). The rows are then reset.
 3. The engine's relay with a transport that acknowledges at once: the relay's own cost without a
    broker. Reset again.
 4. Broker ceiling: kafka-python producing the same N messages (same keys and bytes) straight to
@@ -54,6 +55,8 @@ t = schema.outbox
 TARGET_RATIO = 0.85
 #: The rows as written, put back before every phase.
 COPY = "bench_outbox_copy"
+#: What the database ceiling does with a claimed batch, by ``--on-sent``.
+_SETTLED = {"mark": "mark SENT", "archive": "move to outbox_history", "delete": "delete"}
 
 
 @dataclasses.dataclass
@@ -261,9 +264,7 @@ class Bench:
         env.vacuum(self.engine, t.name)
 
     def _db_ceiling(self) -> float:
-        done = {"mark": "mark SENT", "archive": "move to outbox_history"}.get(
-            self.o.on_sent, "delete"
-        )
+        done = _SETTLED[self.o.on_sent]
         self.report.section(f"2. database ceiling: SKIP LOCKED claim + {done}, no broker")
         spec = {"db": self.url, "batch_size": self.o.batch_size, "on_sent": self.o.on_sent}
         run = self._phase("claim_mark", [spec] * self.o.relays)

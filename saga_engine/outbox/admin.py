@@ -1,7 +1,8 @@
 """Operator actions and the monitoring signals of the outbox (the article's §6.4).
 
 Signals: backlog (PENDING rows), failed rows, oldest pending age, delivery latency percentiles over
-recently sent rows (kept in the outbox, or moved to ``outbox_history``), and table size. Operators re-queue FAILED rows once the cause is fixed.
+recently sent rows (kept in the outbox, or moved to ``outbox_history``), and table size. Operators
+re-queue FAILED rows once the cause is fixed.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ def _recent_sent(
     conn: sa.Connection, table: sa.Table, sent: sa.ColumnElement[bool], sample: int
 ) -> list[tuple[datetime, datetime]]:
     """(created_at, sent_at) of the ``sample`` latest rows of ``table`` that were delivered."""
-    rows = conn.execute(
+    latest = (
         sa.select(table.c.created_at, table.c.sent_at)
         .where(sent, table.c.sent_at.is_not(None))
         .order_by(table.c.id.desc())
         .limit(sample)
-    ).all()
-    return [(created, sent_at) for created, sent_at in rows]
+    )
+    return [(created, sent_at) for created, sent_at in conn.execute(latest)]
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:

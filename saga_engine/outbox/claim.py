@@ -376,9 +376,7 @@ def supports_skip_locked(engine: Engine) -> bool:
     dialect = engine.dialect
     if dialect.name == "sqlite":
         return False
-    with engine.connect() as conn:  # server_version_info is known only after a first connect
-        conn.execute(sa.text("SELECT 1"))
-    version = dialect.server_version_info or (0,)
+    version = db.server_version(engine)
     if dialect.name == "postgresql":
         return version >= (9, 5)
     if getattr(dialect, "is_mariadb", False):

@@ -22,7 +22,6 @@ from saga_engine import clock, db, schema
 
 t = schema.outbox
 h = schema.outbox_history
-HISTORY_COLUMNS = list(schema.ARCHIVED_COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +83,7 @@ def prune_history(
     first batch in which no row is old enough. A row archived out of order (one that waited in
     retry backoff) goes in a later run, once the rows before it have gone.
     """
-    if batch_size < 1:
-        raise ValueError("batch_size must be positive")
-    if retention <= timedelta(0):
-        raise ValueError("retention must be positive")
+    db.check_pruning(batch_size, retention)
     cutoff = clock.now() - retention
     after = -1  # the walk's position: every id up to it was old enough, or kept
 
@@ -112,10 +108,12 @@ def prune_history(
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:
     """Copy the rows ``ids`` to ``outbox_history``, stamped ``now``."""
     source = sa.select(
-        *[t.c[name] for name in HISTORY_COLUMNS],
+        *[t.c[name] for name in schema.ARCHIVED_COLUMNS],
         sa.literal(now, schema.Timestamp).label("archived_at"),
     )
     conn.execute(
-        h.insert().from_select([*HISTORY_COLUMNS, "archived_at"], source.where(t.c.id.in_(ids)))
+        h.insert().from_select(
+            [*schema.ARCHIVED_COLUMNS, "archived_at"], source.where(t.c.id.in_(ids))
+        )
     )
     return len(ids)

@@ -551,14 +551,12 @@ def check_archive_supported(engine: Engine) -> None:
             'on_sent="archive" needs ids that are never handed out again: SQLite reuses them '
             'once the table is empty; use "mark" or "delete" there'
         )
-    if dialect.name == "mysql" and not getattr(dialect, "is_mariadb", False):
-        with engine.connect() as conn:  # server_version_info is known only after a connect
-            conn.execute(sa.text("SELECT 1"))
-        if (dialect.server_version_info or (0,)) < (8, 0):
-            raise errors.ConfigurationError(
-                'on_sent="archive" needs MySQL 8.0 or later: earlier servers forget the next '
-                'id on restart and hand out ids of archived rows again; use "mark" or "delete"'
-            )
+    mysql = dialect.name == "mysql" and not getattr(dialect, "is_mariadb", False)
+    if mysql and db.server_version(engine) < (8, 0):
+        raise errors.ConfigurationError(
+            'on_sent="archive" needs MySQL 8.0 or later: earlier servers forget the next '
+            'id on restart and hand out ids of archived rows again; use "mark" or "delete"'
+        )
 
 
 #: By (binds lists as arrays, leased batch).
