@@ -405,6 +405,10 @@ def fast_savepoints(engine: Engine) -> Engine:
     which doubles the client CPU of a savepoint; the text it sends is the same. Every command
     handler and local step runs in a savepoint, so that is two statements per message. Dialects
     that emit savepoints their own way are left alone. Idempotent.
+
+    On PostgreSQL through psycopg a release is also deferred (see ``_DeferredRelease``): it goes
+    out with the next SAVEPOINT, in the same round trip, or not at all when the transaction's
+    COMMIT releases it. A batch of handlers then costs one round trip per savepoint, not two.
     """
     dialect = engine.dialect
     if getattr(dialect, "_saga_engine_fast_savepoints", False):
@@ -417,22 +421,66 @@ def fast_savepoints(engine: Engine) -> Engine:
     ):
         return engine
     quote = dialect.identifier_preparer.quote
+    deferred = (
+        _DeferredRelease() if (dialect.name, dialect.driver) == ("postgresql", "psycopg") else None
+    )
 
     def do_savepoint(connection: Connection, name: str) -> None:
-        connection.exec_driver_sql(f"SAVEPOINT {quote(name)}")
+        sql = f"SAVEPOINT {quote(name)}"
+        pending = deferred.take(connection) if deferred else None
+        if pending is not None:
+            sql = f"RELEASE SAVEPOINT {quote(pending)}; {sql}"
+        connection.exec_driver_sql(sql)
 
     def do_release_savepoint(connection: Connection, name: str) -> None:
-        connection.exec_driver_sql(f"RELEASE SAVEPOINT {quote(name)}")
+        if deferred is None:
+            connection.exec_driver_sql(f"RELEASE SAVEPOINT {quote(name)}")
+        else:
+            deferred.put(connection, name)
 
     def do_rollback_to_savepoint(connection: Connection, name: str) -> None:
+        if deferred is not None:
+            deferred.take(connection)  # a released savepoint inside ``name``: rolled back with it
         connection.exec_driver_sql(f"ROLLBACK TO SAVEPOINT {quote(name)}")
 
+    if deferred is not None:  # the transaction's end ends the savepoint: nothing to send later
+        event.listen(engine, "commit", deferred.forget)
+        event.listen(engine, "rollback", deferred.forget)
     # Instance attributes shadow the class's methods for this engine's dialect only.
     dialect.do_savepoint = do_savepoint  # type: ignore[method-assign]
     dialect.do_release_savepoint = do_release_savepoint  # type: ignore[method-assign]
     dialect.do_rollback_to_savepoint = do_rollback_to_savepoint  # type: ignore[method-assign]
     dialect._saga_engine_fast_savepoints = True  # type: ignore[attr-defined]
     return engine
+
+
+class _DeferredRelease:
+    """The savepoint a connection released in SQLAlchemy's view but not yet on the server.
+
+    Until it goes out, the server keeps that savepoint open, and what the transaction runs next
+    runs inside it. Nothing can tell the difference, because of where the savepoint sits: every
+    savepoint SQLAlchemy still holds open encloses it. So a ROLLBACK TO any of them undoes it too,
+    a RELEASE of any of them releases it too (it is then the one left pending), a new savepoint
+    must not nest in it (the RELEASE is sent first, in the same text), and COMMIT or ROLLBACK of
+    the transaction ends it with everything else. An error inside it aborts it, which aborts the
+    enclosing savepoint or transaction the caller rolls back anyway. The entry is tied to the
+    transaction it was made in, so a later transaction on the same connection never sees it.
+    """
+
+    _KEY = "saga_engine.release_pending"
+
+    def put(self, connection: Connection, name: str) -> None:
+        connection.info[self._KEY] = (connection.get_transaction(), name)
+
+    def forget(self, connection: Connection) -> None:
+        connection.info.pop(self._KEY, None)
+
+    def take(self, connection: Connection) -> str | None:
+        entry = connection.info.pop(self._KEY, None)
+        if entry is None:
+            return None
+        transaction, name = entry
+        return name if transaction is connection.get_transaction() else None
 
 
 @contextlib.contextmanager
