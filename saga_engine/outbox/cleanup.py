@@ -40,15 +40,25 @@ def cleanup(
     clock: clock.Clock = clock.SYSTEM,
     max_batches: int | None = None,
 ) -> CleanupResult:
-    """Delete (or archive) SENT rows older than ``retention``, ``batch_size`` rows at a time."""
+    """Delete (or archive) SENT rows older than ``retention``, ``batch_size`` rows at a time.
+
+    The outbox's newest row is always kept (see below), so an idle outbox keeps one SENT row.
+    """
     if batch_size < 1:
         raise ValueError("batch_size must be positive")
     now = clock.now()
     # Select the ids first: DELETE ... LIMIT is MySQL-only, and the id list bounds the batch on
-    # every database.
+    # every database. The newest row stays, however old: SQLite, and MySQL before 8.0 once it
+    # restarts, give a new row the highest id in the table plus one, so with the newest row gone
+    # they would hand out again an id that outbox_history already holds.
+    newest = sa.select(sa.func.max(t.c.id)).scalar_subquery()
     oldest = (
         sa.select(t.c.id)
-        .where(t.c.status == schema.OutboxStatus.SENT, t.c.sent_at < now - retention)
+        .where(
+            t.c.status == schema.OutboxStatus.SENT,
+            t.c.sent_at < now - retention,
+            t.c.id < newest,
+        )
         .order_by(t.c.id)
         .limit(batch_size)
     )

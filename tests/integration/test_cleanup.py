@@ -112,6 +112,32 @@ def test_cleanup_removes_only_old_sent_rows_in_batches(
     assert cleanup(engine, batch_size=1000, clock=ClockDouble(now)) == CleanupResult(0, 0, 0)
 
 
+def test_cleanup_keeps_the_newest_row_so_no_id_is_handed_out_twice(
+    db_url: str, engines: list[object]
+) -> None:
+    # SQLite gives a new row max(id) + 1: had the first cleanup emptied the outbox, the next row
+    # would take id 1 again, and archiving it would collide with the history's id 1.
+    engine = setup(db_url, engines)
+    now = datetime(2030, 6, 1, 12, 0, 0)
+    old = timedelta(days=8)
+    with engine.begin() as conn:
+        conn.execute(t.insert(), [row(SENT, old, now, n) for n in range(3)])
+    first = cleanup(engine, archive=True, clock=ClockDouble(now))
+    assert first == CleanupResult(deleted=2, archived=2, batches=1)
+    with engine.begin() as conn:
+        conn.execute(t.insert(), [row(SENT, old, now, 3)])
+
+    second = cleanup(engine, archive=True, clock=ClockDouble(now))
+
+    assert second == CleanupResult(deleted=1, archived=1, batches=1)
+    with engine.connect() as conn:
+        history = conn.execute(sa.select(h.c.id, h.c.aggregate_id).order_by(h.c.id)).all()
+        outbox = conn.execute(sa.select(t.c.id, t.c.aggregate_id)).all()
+    assert [aggregate for _, aggregate in history] == ["o-0", "o-1", "o-2"]
+    assert [aggregate for _, aggregate in outbox] == ["o-3"]
+    assert outbox[0][0] > history[-1][0]
+
+
 @pytest.mark.sqlite
 def test_cleanup_stops_after_max_batches(sqlite_url: str, engines: list[object]) -> None:
     engine = setup(sqlite_url, engines)
