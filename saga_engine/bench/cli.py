@@ -129,6 +129,12 @@ def _saga(sub: Any) -> None:
         help="place the orders at this rate (default: back to back, for throughput)",
     )
     parser.add_argument(
+        "--placers",
+        type=int,
+        default=8,
+        help="sessions placing orders side by side when back to back (default 8)",
+    )
+    parser.add_argument(
         "--saga",
         choices=["full", "outline"],
         default="full",
@@ -160,6 +166,7 @@ def run_saga(args: argparse.Namespace) -> int:
         workers=args.workers,
         compensate=args.compensate,
         rate=args.rate,
+        placers=args.placers,
         app=args.app or saga.SAGAS[args.saga][0],
         saga_module=saga.SAGAS[args.saga][1],
         peer=args.peer,

@@ -85,6 +85,7 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
 ) -> None:
     figures = small_saga_run(tmp_path, pg_url, kafka_url, "--rate", "10")
     assert figures["offered_rate"] == 10
+    assert figures["placers"] == 1  # a schedule is kept by one session
     assert figures["completed"] + figures["compensated"] == 20
     assert figures["compensated"] == 2  # one order in ten is declined at payment
     assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
@@ -97,6 +98,7 @@ def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
 ) -> None:
     figures = small_saga_run(tmp_path, pg_url, kafka_url, "--saga", "outline")
     assert figures["saga"] == "sagas.order_outline"
+    assert figures["placers"] == 8  # back to back: the orders are placed from 8 sessions
     assert (figures["completed"], figures["compensated"]) == (18, 2)
     assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
     # A completed saga sends two commands and gets two replies; a declined one also releases.
@@ -107,6 +109,7 @@ def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     ("options", "error"),
     [
         (["--rate", "0"], "--rate must be positive"),
+        (["--placers", "0"], "--sagas, --workers, --peer-sagas and --placers must be >= 1"),
         (
             ["--rate", "10", "--peer", "temporal"],
             "--peer compares throughput, --rate measures latency at a load: choose one",
