@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from saga_engine import db
 
@@ -21,12 +22,25 @@ class Boom(Exception):
     pass
 
 
+class Base(DeclarativeBase):
+    pass
+
+
+class Note(Base):
+    """What a handler writes through its Session, as the ORM's users do."""
+
+    __tablename__ = "savepoint_notes"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    text: Mapped[str] = mapped_column(sa.String(8))
+
+
 @pytest.fixture
 def engine(db_url: str, engines: list[object]) -> Iterator[Engine]:
     engine = db.fast_savepoints(db.create_engine(db_url))
     engines.append(engine)
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE savepoint_rows (v VARCHAR(8))")
+    Base.metadata.create_all(engine)
     yield engine
 
 
@@ -109,3 +123,26 @@ def test_on_postgresql_a_release_shares_the_next_savepoints_round_trip(engine: E
         "SAVEPOINT sa_savepoint_1",  # the last one of each transaction went with its COMMIT
     ]
     assert rows(engine) == ["a", "b", "c", "d"]
+
+
+def notes(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return sorted(conn.scalars(sa.select(Note.text)))
+
+
+def test_a_handlers_session_flushes_its_objects_into_the_savepoint(engine: Engine) -> None:
+    with engine.begin() as conn:
+        with db.session_in_savepoint(conn) as session:
+            session.add(Note(id=1, text="kept"))  # never flushed by the handler itself
+        with pytest.raises(Boom), db.session_in_savepoint(conn) as session:
+            session.add(Note(id=2, text="raised"))
+            session.flush()
+            raise Boom
+        with db.session_in_savepoint(conn) as session:
+            session.add(Note(id=3, text="undone"))
+            session.flush()
+            session.rollback()  # the handler's own rollback: its savepoint, not the batch
+            session.add(Note(id=4, text="after"))
+        insert(conn, "batch")
+    assert notes(engine) == ["after", "kept"]
+    assert rows(engine) == ["batch"]
