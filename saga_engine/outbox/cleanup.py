@@ -12,8 +12,9 @@ cheaper still; docs/outbox.md shows how.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import Engine
@@ -117,13 +118,23 @@ def prune_history(
 
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:
     """Copy the rows ``ids`` to ``outbox_history``, stamped ``now``."""
-    source = sa.select(
-        *[t.c[name] for name in schema.ARCHIVED_COLUMNS],
-        sa.literal(now, schema.Timestamp).label("archived_at"),
-    )
-    conn.execute(
-        h.insert().from_select(
-            [*schema.ARCHIVED_COLUMNS, "archived_at"], source.where(t.c.id.in_(ids))
-        )
-    )
+    rows = history_rows(t, sa.literal(now, schema.Timestamp)).where(t.c.id.in_(ids))
+    conn.execute(h.insert().from_select(HISTORY_COLUMNS, rows))
     return len(ids)
+
+
+#: ``outbox_history``'s columns in the order :func:`history_rows` selects them.
+HISTORY_COLUMNS = [*schema.ARCHIVED_COLUMNS, "archived_at"]
+
+
+def history_rows(
+    source: sa.TableClause | sa.CTE,
+    archived_at: sa.ColumnElement[Any],
+    stamped: Mapping[str, sa.ColumnElement[Any]] | None = None,
+) -> sa.Select[Any]:
+    """The outbox rows of ``source`` as ``outbox_history`` rows (``HISTORY_COLUMNS``), with the
+    columns named in ``stamped`` replaced. Every column is labelled by position, so one bound
+    value may fill several of them."""
+    stamped = stamped or {}
+    values = [stamped.get(name, source.c[name]) for name in schema.ARCHIVED_COLUMNS]
+    return sa.select(*(v.label(f"archived_{i}") for i, v in enumerate([*values, archived_at])))

@@ -33,6 +33,7 @@ from sqlalchemy import Connection, Engine, exc
 
 from saga_engine import clock, db, errors, schema
 from saga_engine.outbox import claim as claims
+from saga_engine.outbox import cleanup
 from saga_engine.outbox.claim import OutboxRow
 from saga_engine.outbox.notify import Wakeup
 from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
@@ -516,26 +517,21 @@ def _archive(
     every claim and mark takes (see ``claims.by_primary_key``).
     """
     history = schema.outbox_history
-    stamped: dict[str, sa.ColumnElement[Any]] = {
+    stamped = {
         "status": claims.status_literal(schema.OutboxStatus.SENT),
         "sent_at": now,
         "updated_at": now,
     }
-
-    def copied(source: sa.TableClause | sa.CTE) -> sa.Select[Any]:
-        values = [stamped.get(name, source.c[name]) for name in schema.ARCHIVED_COLUMNS]
-        return sa.select(*(v.label(f"archived_{i}") for i, v in enumerate([*values, now])))
-
-    columns = [*schema.ARCHIVED_COLUMNS, "archived_at"]
     delete = sa.delete(t).where(*acknowledged)
     if array:
         returned = [t.c[name] for name in schema.ARCHIVED_COLUMNS]
         moved = delete.returning(*returned).cte("moved")
+        rows = cleanup.history_rows(moved, now, stamped)
         # SQLAlchemy keeps an INSERT's rowcount only when asked: it is the number archived.
-        insert = history.insert().from_select(columns, copied(moved))
+        insert = history.insert().from_select(cleanup.HISTORY_COLUMNS, rows)
         return (insert.execution_options(preserve_rowcount=True),)
-    source = claims.by_primary_key(copied(t).where(*acknowledged))
-    return history.insert().from_select(columns, source), delete
+    rows = claims.by_primary_key(cleanup.history_rows(t, now, stamped).where(*acknowledged))
+    return history.insert().from_select(cleanup.HISTORY_COLUMNS, rows), delete
 
 
 def check_archive_supported(engine: Engine) -> None:
