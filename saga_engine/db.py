@@ -473,7 +473,11 @@ class _DeferredRelease:
         connection.info[self._KEY] = (connection.get_transaction(), name)
 
     def forget(self, connection: Connection) -> None:
-        connection.info.pop(self._KEY, None)
+        # An invalidated connection (its server connection was lost) has no info to reach: asking
+        # would raise in the middle of the rollback and hide the error that invalidated it. The
+        # pool clears a record's info when it connects it again.
+        if not connection.invalidated:
+            connection.info.pop(self._KEY, None)
 
     def take(self, connection: Connection) -> str | None:
         entry = connection.info.pop(self._KEY, None)
