@@ -116,6 +116,7 @@ class MessageConsumer:
         self.clock = clock
         self.inbox = Inbox(clock)
         # Every handler runs in a savepoint: two statements per message, worth sending cheaply.
+        # db.create_engine's engines send them so already; an engine made elsewhere learns it here.
         db.fast_savepoints(engine)
         self.stats = ConsumerStats()
         self._attempts: dict[str, int] = {}

@@ -40,7 +40,10 @@ def redact(url: str | sa.URL) -> str:
 
 
 def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
-    """An engine for ``url`` with settings every saga-engine process wants.
+    """An engine for ``url`` with settings every saga-engine process wants: pooled connections
+    pinged only after an idle second (:func:`ping_after_idle`), savepoints sent as plain driver SQL
+    (:func:`fast_savepoints`; ``app.start`` runs a saga's leading local steps in one), and on
+    SQLite write transactions that begin with ``BEGIN IMMEDIATE``.
 
     Raises :class:`errors.ConfigurationError` for a URL that cannot be parsed or whose driver is
     not installed; reachability is checked by :func:`check_connection`.
@@ -51,7 +54,7 @@ def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
         raise errors.ConfigurationError(f"bad database URL {redact(url)!r}: {error}") from None
     try:
         if parsed.get_backend_name() == "sqlite":
-            return _sqlite_engine(parsed, **kwargs)
+            return fast_savepoints(_sqlite_engine(parsed, **kwargs))
         if parsed.get_backend_name() == "postgresql":
             # Before the engine exists: its dialect copies psycopg's adapters when it is made.
             _register_binary_lists()
@@ -63,7 +66,7 @@ def create_engine(url: str, *, pool_size: int = 5, **kwargs: Any) -> Engine:
             f"no driver for {redact(parsed)!r}: {error}; install saga-engine[postgres] or [mysql]"
         ) from None
     ping_after_idle(engine)
-    return engine
+    return fast_savepoints(engine)
 
 
 def ping_after_idle(engine: Engine, idle_seconds: float = PING_AFTER_IDLE_S) -> Engine:

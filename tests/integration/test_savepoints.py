@@ -1,6 +1,7 @@
-"""Savepoints as the consumer's engine sends them (``db.fast_savepoints``).
+"""Savepoints as ``db.create_engine``'s engines send them (``db.fast_savepoints``).
 
-Every handler runs in a savepoint, so its rejection undoes its own writes only. On PostgreSQL a
+Every handler, and every local step (those at a saga's start run inside ``app.start``, in the
+caller's transaction), runs in a savepoint, so its rejection undoes its own writes only. On PostgreSQL a
 release waits for the next savepoint's round trip, or for the COMMIT: these tests hold that what
 commits is the same as with a RELEASE sent at once, on every database, and that on PostgreSQL no
 RELEASE costs a round trip of its own.
@@ -12,10 +13,15 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
+from pydantic import BaseModel
 from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from saga_engine import db
+from saga_engine import db, errors, schema
+from saga_engine.app import App
+from saga_engine.definition import Saga, step
+from saga_engine.messages import Message
+from saga_engine.participant import Participant
 
 
 class Boom(Exception):
@@ -36,7 +42,7 @@ class Note(Base):
 
 @pytest.fixture
 def engine(db_url: str, engines: list[object]) -> Iterator[Engine]:
-    engine = db.fast_savepoints(db.create_engine(db_url))
+    engine = db.create_engine(db_url)
     engines.append(engine)
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE savepoint_rows (v VARCHAR(8))")
@@ -146,3 +152,58 @@ def test_a_handlers_session_flushes_its_objects_into_the_savepoint(engine: Engin
         insert(conn, "batch")
     assert notes(engine) == ["after", "kept"]
     assert rows(engine) == ["batch"]
+
+
+class Order(BaseModel):
+    order_id: str
+    reject: bool = False
+
+
+class Ship(Message):
+    order_id: str
+
+
+def write_note(data: Order, tx: Session) -> None:
+    """A leading local step that writes through its Session, then may reject."""
+    tx.add(Note(id=int(data.order_id), text="step"))
+    tx.flush()
+    if data.reject:
+        raise errors.Rejected("no")
+
+
+shipping = Participant("savepoint_shipping")
+started: Saga[Order] = Saga(
+    "savepoint_started",
+    data=Order,
+    steps=[
+        step("note").local(write_note).compensate(lambda data, tx: None),
+        step("ship").invoke("savepoint_shipping", lambda d: Ship(order_id=d.order_id)),
+    ],
+)
+app = App("savepoints", sagas=[started], participants=[shipping])
+
+
+def state_of(engine: Engine, saga_id: str) -> str | None:
+    with engine.connect() as conn:
+        s = schema.saga_instances
+        return conn.scalar(sa.select(s.c.state).where(s.c.id == saga_id))
+
+
+def test_app_start_runs_a_leading_local_step_in_a_savepoint_of_the_callers_transaction(
+    engine: Engine,
+) -> None:
+    app.create_tables(engine)
+    sent = statements(engine)
+    with Session(engine) as session, session.begin():
+        kept = app.start(session, started, Order(order_id="1"))
+        undone = app.start(session, started, Order(order_id="2", reject=True))
+        session.add(Note(id=3, text="caller"))
+    assert notes(engine) == ["caller", "step"]  # the rejected step's note went with its savepoint
+    assert (state_of(engine, kept), state_of(engine, undone)) == ("ship", "COMPENSATED")
+    if engine.dialect.name == "postgresql":  # one round trip per savepoint, none per release
+        savepoints = [s for s in sent if "SAVEPOINT" in s]
+        assert savepoints == [
+            "SAVEPOINT sa_savepoint_1",
+            "RELEASE SAVEPOINT sa_savepoint_1; SAVEPOINT sa_savepoint_2",
+            "ROLLBACK TO SAVEPOINT sa_savepoint_2",
+        ]
