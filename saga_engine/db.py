@@ -495,15 +495,15 @@ def session_in_savepoint(conn: Connection) -> Iterator[Session]:
     """A ``Session`` on ``conn`` whose work is one savepoint of ``conn``'s transaction.
 
     The savepoint is released when the block ends and rolled back when it raises; the exception
-    goes on. The savepoint is taken on the Connection and the Session only joins it
-    (``rollback_only``): a ``session.rollback()`` rolls back the savepoint, never the caller's
-    transaction, and a ``session.commit()`` flushes without releasing it. That is what a handler
-    saw when the Session made the savepoint itself, for a fraction of the client CPU.
+    goes on. It is taken when the Session first needs the database (a query, a flush, its
+    ``connection()``), so a handler or local step that never touches it costs no savepoint at all:
+    it has written nothing that a rejection would have to undo. The savepoint is taken on the
+    Connection and the Session only joins it (``rollback_only``): a ``session.rollback()`` rolls
+    back the savepoint, never the caller's transaction, and work after it goes into a new one; a
+    ``session.commit()`` flushes without releasing it. That is what a handler saw when the Session
+    made the savepoint itself, for a fraction of the client CPU.
     """
-    from sqlalchemy.orm import Session
-
-    savepoint = conn.begin_nested()
-    session = Session(bind=conn, join_transaction_mode="rollback_only")
+    session = _savepoint_session()(bind=conn, join_transaction_mode="rollback_only")
     try:
         yield session
         # Pending ORM changes go into the savepoint. A commit() would do the same (the Session
@@ -512,12 +512,39 @@ def session_in_savepoint(conn: Connection) -> Iterator[Session]:
         session.flush()
     except BaseException:
         session.close()
-        if savepoint.is_active:  # a failed flush or the block's own rollback() may have done it
+        savepoint = session.saga_engine_savepoint
+        # A failed flush or the block's own rollback() may have rolled it back already.
+        if savepoint is not None and savepoint.is_active:
             savepoint.rollback()
         raise
     session.close()
-    if savepoint.is_active:
+    savepoint = session.saga_engine_savepoint
+    if savepoint is not None and savepoint.is_active:
         savepoint.commit()
+
+
+@functools.cache
+def _savepoint_session() -> type[Any]:
+    """The Session class of :func:`session_in_savepoint` (made on first use: importing the ORM
+    costs every command that never needs it)."""
+    from sqlalchemy.orm import Session
+
+    class SavepointSession(Session):
+        """A Session bound to a Connection that takes a savepoint of it before its first use."""
+
+        saga_engine_savepoint: sa.NestedTransaction | None = None
+
+        def get_bind(self, *args: Any, **kwargs: Any) -> Any:
+            # Every way the Session reaches the database asks for its bind first: a flush, an
+            # execute, connection(). A savepoint rolled back (by the handler's own rollback())
+            # is replaced, so what the handler does next is undone alone if it raises.
+            savepoint = self.saga_engine_savepoint
+            if savepoint is None or not savepoint.is_active:
+                assert isinstance(self.bind, Connection)
+                self.saga_engine_savepoint = self.bind.begin_nested()
+            return super().get_bind(*args, **kwargs)
+
+    return SavepointSession
 
 
 def connection_of(tx: Any) -> Connection:

@@ -154,6 +154,38 @@ def test_a_handlers_session_flushes_its_objects_into_the_savepoint(engine: Engin
     assert rows(engine) == ["batch"]
 
 
+def test_after_a_handlers_own_rollback_its_next_writes_are_undone_alone(engine: Engine) -> None:
+    with engine.begin() as conn:
+        insert(conn, "before")
+        with pytest.raises(Boom), db.session_in_savepoint(conn) as session:
+            session.add(Note(id=1, text="undone"))
+            session.flush()
+            session.rollback()
+            session.add(Note(id=2, text="again"))
+            session.flush()  # in a savepoint of its own, not in the caller's transaction
+            raise Boom
+        insert(conn, "after")
+    assert notes(engine) == []
+    assert rows(engine) == ["after", "before"]
+
+
+def test_a_session_that_never_reaches_the_database_takes_no_savepoint(engine: Engine) -> None:
+    sent = statements(engine)
+    with engine.begin() as conn:
+        with db.session_in_savepoint(conn) as session:
+            session.info["seen"] = True  # used, but never for the database
+        with pytest.raises(errors.Rejected), db.session_in_savepoint(conn):
+            raise errors.Rejected("before any write")  # nothing to undo
+        with db.session_in_savepoint(conn) as session:
+            session.add(Note(id=1, text="flushed"))  # reaches it at the block's flush
+        insert(conn, "batch")
+    assert [s for s in sent if "SAVEPOINT" in s] == ["SAVEPOINT sa_savepoint_1"] + (
+        [] if engine.dialect.name == "postgresql" else ["RELEASE SAVEPOINT sa_savepoint_1"]
+    )
+    assert notes(engine) == ["flushed"]
+    assert rows(engine) == ["batch"]
+
+
 class Order(BaseModel):
     order_id: str
     reject: bool = False
@@ -180,7 +212,15 @@ started: Saga[Order] = Saga(
         step("ship").invoke("savepoint_shipping", lambda d: Ship(order_id=d.order_id)),
     ],
 )
-app = App("savepoints", sagas=[started], participants=[shipping])
+quiet: Saga[Order] = Saga(
+    "savepoint_quiet",
+    data=Order,
+    steps=[
+        step("approve").local(lambda data, tx: None).compensate(lambda data, tx: None),
+        step("ship").invoke("savepoint_shipping", lambda d: Ship(order_id=d.order_id)),
+    ],
+)
+app = App("savepoints", sagas=[started, quiet], participants=[shipping])
 
 
 def state_of(engine: Engine, saga_id: str) -> str | None:
@@ -207,3 +247,14 @@ def test_app_start_runs_a_leading_local_step_in_a_savepoint_of_the_callers_trans
             "RELEASE SAVEPOINT sa_savepoint_1; SAVEPOINT sa_savepoint_2",
             "ROLLBACK TO SAVEPOINT sa_savepoint_2",
         ]
+
+
+def test_app_start_takes_no_savepoint_for_a_leading_step_that_writes_nothing(
+    engine: Engine,
+) -> None:
+    app.create_tables(engine)
+    sent = statements(engine)
+    with Session(engine) as session, session.begin():
+        saga_id = app.start(session, quiet, Order(order_id="1"))
+    assert state_of(engine, saga_id) == "ship"
+    assert [s for s in sent if "SAVEPOINT" in s] == []
