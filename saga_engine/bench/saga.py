@@ -144,11 +144,14 @@ class Bench:
             self.logs = logs
             self._warm_up()
             cpu_before = [env.cpu_seconds(p.pid) for p in procs]
+            placing_before = time.process_time()  # every thread of this process: the placers
             placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas), rate=o.rate)
+            placing = time.process_time() - placing_before
             finished = self._wait()
             cpu = sum(env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True))
             rss = [env.peak_rss_mb(p.pid) for p in procs]
-            return self._figures(placed, finished, cpu, rss)  # with the workers' logs still open
+            # With the workers' logs still open.
+            return self._figures(placed, finished, cpu, placing, rss)
 
     def _warm_up(self) -> None:
         """Every worker joined its groups and connected, before the clock starts."""
@@ -202,7 +205,9 @@ class Bench:
             time.sleep(0.2)
         return False
 
-    def _figures(self, placed: list[str], finished: bool, cpu: float, rss: list[float]) -> bool:
+    def _figures(
+        self, placed: list[str], finished: bool, cpu: float, placing: float, rss: list[float]
+    ) -> bool:
         report = self.report
         with self.engine.connect() as conn:
             rows = conn.execute(
@@ -246,6 +251,12 @@ class Bench:
         report.figure("worker_peak_rss_mb", max(rss), "peak worker RSS", "MiB")
         report.figure(
             "worker_cpu_ms_per_saga", 1000 * cpu / len(placed), "worker CPU per saga", "ms"
+        )
+        report.figure(
+            "placing_cpu_ms_per_saga",
+            1000 * placing / len(placed),
+            "the bench's own CPU placing them, per saga",
+            "ms",
         )
         violations = self.module.check_invariants(self.engine, all_terminal=finished)
         report.figure("invariant_violations", len(violations), "business invariant violations")

@@ -103,6 +103,9 @@ def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
     # A completed saga sends two commands and gets two replies; a declined one also releases.
     assert figures["messages_per_saga"] == (18 * 4 + 2 * 6) / 20
+    # Both processes' CPU is counted: the workers' and the bench's own, placing the orders.
+    assert figures["worker_cpu_ms_per_saga"] > 0
+    assert figures["placing_cpu_ms_per_saga"] > 0
 
 
 @pytest.mark.parametrize(
