@@ -130,6 +130,14 @@ def test_the_machine_refuses_moves_the_definition_does_not_allow() -> None:
         machine.fire("a", "proceed", "COMPLETED")  # c cannot be skipped
     with pytest.raises(errors.InvalidTransition):
         machine.fire("COMPLETED", "fail", "compensate_a")
+    # Asked again (the machine remembers the moves it allowed), the answers are the same.
+    for _ in range(2):
+        assert machine.fire("a", "proceed", "c") == "c"
+        assert machine.fire("a", "proceed", "b") == "b"
+        with pytest.raises(errors.InvalidTransition):
+            machine.fire("a", "proceed", "COMPLETED")
+        with pytest.raises(errors.InvalidTransition):
+            machine.fire("b", "proceed", "b")
 
 
 def test_an_explicit_pivot_cannot_have_a_compensation() -> None:
