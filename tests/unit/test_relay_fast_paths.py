@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
-from saga_engine import db, schema
+from saga_engine import db, schema, store
 from saga_engine.messages import Envelope, wire_bytes
 from saga_engine.outbox import OutboxWriter
 from saga_engine.outbox import claim as claims
@@ -214,17 +214,34 @@ def test_the_writer_goes_to_the_driver_where_no_value_needs_converting() -> None
         pg_dialect(),
         mysql.pymysql.dialect(paramstyle="pyformat"),
     ):
-        sql = writers._compile_for_driver(dialect)
+        sql = writers._DRIVER_INSERT._compile(dialect)
         assert sql is not None and sql.startswith("INSERT INTO outbox_messages (message_id,")
         assert "RETURNING" not in sql and "%(updated_at)s" in sql
-    assert writers._compile_for_driver(sqlite.dialect()) is None  # datetimes become text there
+    assert writers._DRIVER_INSERT._compile(sqlite.dialect()) is None  # datetimes become text there
     positional = mysql.pymysql.dialect(paramstyle="format")
-    assert writers._compile_for_driver(positional) is None  # the rows are dicts
+    assert writers._DRIVER_INSERT._compile(positional) is None  # the rows are dicts
 
 
-def test_the_writer_insert_returns_no_id() -> None:
-    dialect = pg_dialect()
-    assert "RETURNING" not in str(writers._INSERT.compile(dialect=dialect))
+def test_the_saga_store_goes_to_the_driver_where_no_value_needs_converting() -> None:
+    pg, my = pg_dialect(), mysql.pymysql.dialect(paramstyle="pyformat")
+    for dialect in (pg, my):
+        insert = store._INSERT._compile(dialect)
+        assert insert is not None and insert.startswith("INSERT INTO saga_instances (id,")
+        assert "RETURNING" not in insert
+        save = store._SAVE._compile(dialect)
+        assert save is not None and save.startswith("UPDATE saga_instances SET saga_type=")
+        assert "%(b_id)s" in save and "%(b_read_version)s" in save and "created_at" not in save
+    assert store._INSERT._compile(sqlite.dialect()) is None
+    assert store._SAVE._compile(sqlite.dialect()) is None
+
+
+def test_a_statement_whose_parameters_differ_from_its_keys_stays_compiled() -> None:
+    t = schema.saga_instances
+    update = sa.update(t).where(t.c.id == sa.bindparam("b_id"))
+    # A key the statement does not bind, and a bound name no row would pass.
+    assert db.DriverStatement(update, ["state", "b_id", "extra"])._compile(pg_dialect()) is None
+    assert db.DriverStatement(update, ["state"])._compile(pg_dialect()) is None
+    assert db.DriverStatement(update, ["state", "b_id"])._compile(pg_dialect()) is not None
 
 
 # -- waves: per-key order when the transport reports per message --------------------------------
