@@ -49,7 +49,8 @@ def render(report: dict[str, Any], where: str) -> str:
     lines += [
         "",
         "outbox",
-        f"  pending {o['pending']}, sent {o['sent']}, failed {o['failed']}",
+        f"  pending {o['pending']}, sent {'about ' if o['sent_estimated'] else ''}{o['sent']}, "
+        f"failed {o['failed']}",
         f"  oldest pending: {_seconds(o['oldest_pending_seconds'])}, delivery latency p50 "
         f"{_ms(o['latency_p50_ms'])}, p99 {_ms(o['latency_p99_ms'])}",
         "",

@@ -1,7 +1,8 @@
 """Operator actions and the monitoring signals of the outbox (the article's §6.4).
 
 Signals: backlog (PENDING rows), failed rows, oldest pending age, delivery latency percentiles over
-recently sent rows (kept in the outbox, or moved to ``outbox_history``), and table size. Operators
+recently sent rows (kept in the outbox, or moved to ``outbox_history``), and table size (delivered
+rows: counted in a small table, taken from the database's statistics in a large one). Operators
 re-queue FAILED rows once the cause is fixed.
 """
 
@@ -14,7 +15,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy import Engine
 
-from saga_engine import clock, schema
+from saga_engine import clock, db, schema
 
 t = schema.outbox
 h = schema.outbox_history
@@ -43,6 +44,12 @@ def requeue_failed(
         )
 
 
+#: Up to this many rows in a table, its delivered messages are counted; above it, ``sent`` is taken
+#: from the database's statistics instead. A retention of days holds hundreds of millions of
+#: delivered rows, and counting them on every scrape of a metrics collector would read them all.
+EXACT_SENT_UP_TO = 100_000
+
+
 @dataclasses.dataclass(frozen=True)
 class OutboxSignals:
     pending: int
@@ -51,22 +58,33 @@ class OutboxSignals:
     oldest_pending_seconds: float | None
     latency_p50_ms: float | None
     latency_p99_ms: float | None
+    #: ``sent`` came from the database's row estimates (a table over ``EXACT_SENT_UP_TO`` rows).
+    sent_estimated: bool = False
 
     def as_dict(self) -> dict[str, float | int | None]:
         return dataclasses.asdict(self)
 
 
 def signals(
-    engine: Engine, *, sample: int = 2000, clock: clock.Clock = clock.SYSTEM
+    engine: Engine,
+    *,
+    sample: int = 2000,
+    clock: clock.Clock = clock.SYSTEM,
+    exact_sent_up_to: int = EXACT_SENT_UP_TO,
 ) -> OutboxSignals:
+    """The outbox's monitoring signals. ``pending`` and ``failed`` are counted (through the
+    indexes of undelivered rows and of status); ``sent`` is counted while a table holds at most
+    ``exact_sent_up_to`` rows by the database's statistics, and estimated from them above."""
     with engine.connect() as conn:
-        counts: dict[int, int] = dict(
-            conn.execute(sa.select(t.c.status, sa.func.count()).group_by(t.c.status)).all()
+        pending = _count(conn, t, t.c.status == schema.OutboxStatus.PENDING)
+        failed = _count(conn, t, t.c.status == schema.OutboxStatus.FAILED)
+        kept, kept_estimated = _sent(
+            conn, t, t.c.status == schema.OutboxStatus.SENT, pending + failed, exact_sent_up_to
         )
+        archived, archived_estimated = _sent(conn, h, sa.true(), 0, exact_sent_up_to)
         oldest = conn.scalar(
             sa.select(sa.func.min(t.c.created_at)).where(t.c.status == schema.OutboxStatus.PENDING)
         )
-        archived = conn.scalar(sa.select(sa.func.count()).select_from(h)) or 0
         recent = [
             *_recent_sent(conn, t, t.c.status == schema.OutboxStatus.SENT, sample),
             *_recent_sent(conn, h, sa.true(), sample),
@@ -75,13 +93,59 @@ def signals(
     recent = sorted(recent, key=lambda row: row[1], reverse=True)[:sample]
     latencies = sorted((s - c).total_seconds() * 1000 for c, s in recent)
     return OutboxSignals(
-        pending=counts.get(schema.OutboxStatus.PENDING, 0),
-        sent=counts.get(schema.OutboxStatus.SENT, 0) + archived,
-        failed=counts.get(schema.OutboxStatus.FAILED, 0),
+        pending=pending,
+        sent=kept + archived,
+        failed=failed,
         oldest_pending_seconds=(clock.now() - oldest).total_seconds() if oldest else None,
         latency_p50_ms=percentile(latencies, 0.50),
         latency_p99_ms=percentile(latencies, 0.99),
+        sent_estimated=kept_estimated or archived_estimated,
     )
+
+
+def _count(conn: sa.Connection, table: sa.Table, where: sa.ColumnElement[bool]) -> int:
+    return int(conn.scalar(sa.select(sa.func.count()).select_from(table).where(where)) or 0)
+
+
+def _sent(
+    conn: sa.Connection,
+    table: sa.Table,
+    sent: sa.ColumnElement[bool],
+    undelivered: int,
+    exact_up_to: int,
+) -> tuple[int, bool]:
+    """Delivered rows in ``table`` and whether the figure is an estimate: its rows by the
+    database's statistics less the ``undelivered`` ones counted, or a count where the table is
+    small, its statistics unknown (never analyzed), or the database keeps none (SQLite)."""
+    estimate = _row_estimate(conn, table)
+    if estimate is None or estimate <= exact_up_to:
+        return _count(conn, table, sent), False
+    return max(0, estimate - undelivered), True
+
+
+def _row_estimate(conn: sa.Connection, table: sa.Table) -> int | None:
+    """The rows ``table`` holds by the statistics the planner keeps, or None if there are none."""
+    translate = conn.get_execution_options().get("schema_translate_map") or {}
+    schema_name = translate.get(table.schema, table.schema)
+    dialect = db.dialect_name(conn)
+    if dialect == "postgresql":
+        name = f"{schema_name}.{table.name}" if schema_name else table.name
+        rows = conn.scalar(
+            sa.text("SELECT reltuples FROM pg_class WHERE oid = to_regclass(:name)"),
+            {"name": name},
+        )
+        # -1: never vacuumed or analyzed (PostgreSQL 14 and later), so unknown.
+        return None if rows is None or rows < 0 else int(rows)
+    if dialect == "mysql":
+        rows = conn.scalar(
+            sa.text(
+                "SELECT table_rows FROM information_schema.tables"
+                " WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :name"
+            ),
+            {"schema": schema_name, "name": table.name},
+        )
+        return None if rows is None else int(rows)
+    return None
 
 
 def _recent_sent(

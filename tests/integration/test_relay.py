@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from saga_engine import db, schema
+from saga_engine import db, schema, status
 from saga_engine.messages import Envelope
 from saga_engine.outbox import OutboxWriter, admin
 from saga_engine.outbox import claim as claims
@@ -261,6 +261,41 @@ def test_backoff_doubles_to_the_cap_then_failed_until_requeued(
     assert relay.run_once().published == 1
     signals = admin.signals(engine, clock=clock)
     assert (signals.pending, signals.sent, signals.failed) == (0, 2, 0)
+
+
+def test_signals_take_sent_from_the_statistics_of_a_table_over_the_limit(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(db_url, engines)
+    clock = ClockDouble()
+    write(engine, [envelope(f"k{i}") for i in range(307)], clock)
+    with engine.begin() as conn:
+        ids = list(conn.scalars(sa.select(t.c.id).order_by(t.c.id)))
+        settle = sa.update(t).where(t.c.id.in_(ids[:300])).values(status=SENT, sent_at=clock.now())
+        conn.execute(settle)
+        conn.execute(sa.update(t).where(t.c.id.in_(ids[300:302])).values(status=FAILED))
+    exact = admin.signals(engine, clock=clock)
+    assert (exact.pending, exact.sent, exact.failed, exact.sent_estimated) == (5, 300, 2, False)
+    with engine.connect() as conn:  # statistics, as autovacuum or a nightly ANALYZE keeps them
+        name = engine.dialect.name
+        analyze = {"postgresql": "ANALYZE {}", "sqlite": "ANALYZE {}"}.get(name, "ANALYZE TABLE {}")
+        for table in (t, schema.outbox_history):
+            conn.exec_driver_sql(analyze.format(table.name))
+        conn.commit()
+    # Told to count no table, it estimates where the database keeps statistics.
+    estimated = admin.signals(engine, clock=clock, exact_sent_up_to=0)
+    assert (estimated.pending, estimated.failed) == (5, 2)  # always counted
+    if name == "sqlite":  # no statistics to read: still a count
+        assert (estimated.sent, estimated.sent_estimated) == (300, False)
+    elif name == "postgresql":  # ANALYZE of a small table reads every row
+        assert (estimated.sent, estimated.sent_estimated) == (300, True)
+    else:  # InnoDB estimates from sampled pages
+        assert estimated.sent_estimated and 150 <= estimated.sent <= 450
+    report = status.collect(engine)  # the default limit: these tables are counted
+    assert "pending 5, sent 300, failed 2" in status.render(report, "db")
+    report["outbox"].update(admin.signals(engine, exact_sent_up_to=0).as_dict())
+    said = "sent about" if estimated.sent_estimated else "sent 300"
+    assert said in status.render(report, "db")
 
 
 def test_a_transport_that_raises_counts_as_failed_publishes(
