@@ -229,11 +229,17 @@ def state_of(engine: Engine, saga_id: str) -> str | None:
         return conn.scalar(sa.select(s.c.state).where(s.c.id == saga_id))
 
 
-def test_app_start_runs_a_leading_local_step_in_a_savepoint_of_the_callers_transaction(
-    engine: Engine,
-) -> None:
+@pytest.fixture
+def app_engine(engine: Engine) -> Engine:
+    """The engine with the app's tables: what ``app.start`` runs on in a service."""
     app.create_tables(engine)
-    sent = statements(engine)
+    return engine
+
+
+def test_app_start_runs_a_leading_local_step_in_a_savepoint_of_the_callers_transaction(
+    app_engine: Engine,
+) -> None:
+    engine, sent = app_engine, statements(app_engine)
     with Session(engine) as session, session.begin():
         kept = app.start(session, started, Order(order_id="1"))
         undone = app.start(session, started, Order(order_id="2", reject=True))
@@ -250,11 +256,10 @@ def test_app_start_runs_a_leading_local_step_in_a_savepoint_of_the_callers_trans
 
 
 def test_app_start_takes_no_savepoint_for_a_leading_step_that_writes_nothing(
-    engine: Engine,
+    app_engine: Engine,
 ) -> None:
-    app.create_tables(engine)
-    sent = statements(engine)
-    with Session(engine) as session, session.begin():
+    sent = statements(app_engine)
+    with Session(app_engine) as session, session.begin():
         saga_id = app.start(session, quiet, Order(order_id="1"))
-    assert state_of(engine, saga_id) == "ship"
+    assert state_of(app_engine, saga_id) == "ship"
     assert [s for s in sent if "SAVEPOINT" in s] == []
