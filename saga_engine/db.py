@@ -345,7 +345,10 @@ class DriverStatement:
     def execute(
         self, conn: Connection, params: dict[str, Any] | Sequence[dict[str, Any]]
     ) -> CursorResult[Any]:
-        """Execute with one row of parameters, or with several (executemany)."""
+        """Execute with one row of parameters, or with several (executemany; a list of one row
+        goes as that row, which costs the driver less)."""
+        if not isinstance(params, dict) and len(params) == 1:
+            params = params[0]
         text = self._text(conn.dialect)
         if text is None or conn.get_execution_options().get("schema_translate_map"):
             return conn.execute(self.statement, params)
@@ -363,7 +366,7 @@ class DriverStatement:
             return None
         compiled = self.statement.compile(dialect=dialect, column_keys=list(self.keys))
         binds = getattr(compiled, "binds", {})
-        if set(compiled.params) != set(self.keys) or set(binds) != set(self.keys):
+        if set(binds) != set(self.keys):
             return None  # parameters renamed, or some not given by the rows
         for bind in binds.values():
             if bind.type.dialect_impl(dialect).bind_processor(dialect) is not None:
@@ -561,15 +564,10 @@ def session_in_savepoint(conn: Connection) -> Iterator[Session]:
         session.flush()
     except BaseException:
         session.close()
-        savepoint = session.saga_engine_savepoint
-        # A failed flush or the block's own rollback() may have rolled it back already.
-        if savepoint is not None and savepoint.is_active:
-            savepoint.rollback()
+        session.end_savepoint(release=False)
         raise
     session.close()
-    savepoint = session.saga_engine_savepoint
-    if savepoint is not None and savepoint.is_active:
-        savepoint.commit()
+    session.end_savepoint(release=True)
 
 
 @functools.cache
@@ -592,6 +590,17 @@ def _savepoint_session() -> type[Any]:
                 assert isinstance(self.bind, Connection)
                 self.saga_engine_savepoint = self.bind.begin_nested()
             return super().get_bind(*args, **kwargs)
+
+        def end_savepoint(self, *, release: bool) -> None:
+            """Release the savepoint, or roll it back; nothing if none was taken, or if a failed
+            flush or the block's own rollback() already rolled it back."""
+            savepoint = self.saga_engine_savepoint
+            if savepoint is None or not savepoint.is_active:
+                return
+            if release:
+                savepoint.commit()
+            else:
+                savepoint.rollback()
 
     return SavepointSession
 

@@ -89,7 +89,7 @@ class OutboxWriter:
     def _insert(self, tx: Session | Connection, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
-        _DRIVER_INSERT.execute(db.connection_of(tx), rows[0] if len(rows) == 1 else rows)
+        _DRIVER_INSERT.execute(db.connection_of(tx), rows)
 
     def _row(self, envelope: Envelope, now: datetime) -> dict[str, Any]:
         payload = _PAYLOAD_JSON.encode(envelope.payload)
