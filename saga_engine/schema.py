@@ -68,6 +68,12 @@ PENDING_ONLY: dict[str, Any] = {
     "sqlite_where": sa.text("status = 0"),
 }
 
+#: The index of FAILED rows holds those only, where the database has partial indexes.
+FAILED_ONLY: dict[str, Any] = {
+    "postgresql_where": sa.text("status = 2"),
+    "sqlite_where": sa.text("status = 2"),
+}
+
 #: The saga index by age holds ended sagas only, where the database has partial indexes.
 ENDED_ONLY: dict[str, Any] = {
     "postgresql_where": sa.text("ended_at IS NOT NULL"),
@@ -94,8 +100,10 @@ outbox = sa.Table(
     sa.Index("ix_outbox_messages_pending_id", "id", **PENDING_ONLY),
     # The order guard: the earliest unsent row of each partition key.
     sa.Index(None, "partition_key", "status", "id", **PENDING_ONLY),
-    # Cleanup: WHERE status = 1 AND sent_at < cutoff.
-    sa.Index(None, "status", "sent_at"),
+    # FAILED rows, for an operator: counted by `outbox signals`, re-queued by `outbox requeue`.
+    # No index holds SENT rows: each would take an entry for every marked row, and cleanup walks
+    # the table by id instead (saga_engine.outbox.cleanup).
+    sa.Index(None, "status", "id", **FAILED_ONLY),
 )
 
 outbox_history = sa.Table(

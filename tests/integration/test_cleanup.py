@@ -138,6 +138,37 @@ def test_cleanup_keeps_the_newest_row_so_no_id_is_handed_out_twice(
     assert outbox[0][0] > history[-1][0]
 
 
+def test_cleanup_walks_past_rows_it_keeps_and_ends_at_the_first_recent_row(
+    db_url: str, engines: list[object]
+) -> None:
+    """No index holds SENT rows: cleanup walks the outbox by id, in pages of ``batch_size``."""
+    engine = setup(db_url, engines)
+    now = datetime(2030, 6, 1, 12, 0, 0)
+    old, recent = timedelta(days=8), timedelta(days=1)
+    sent_late = {**row(SENT, old, now, 25), "sent_at": now - timedelta(hours=1)}
+    # A writer whose clock ran behind: created (and sent) "8 days ago", after recent rows.
+    behind = row(SENT, old, now, 99)
+    groups = {
+        "old_failed": [row(FAILED, old, now, n) for n in range(25)],  # more than two pages
+        "sent_late": [sent_late],  # created long ago, delivered after retries an hour ago
+        "old_sent": [row(SENT, old, now, n) for n in range(30)],
+        "recent_sent": [row(SENT, recent, now, n) for n in range(5)],
+        "behind": [behind],
+        "newest": [row(PENDING, recent, now, 100)],
+    }
+    with engine.begin() as conn:
+        for rows in groups.values():
+            conn.execute(t.insert(), rows)
+
+    result = cleanup(engine, batch_size=10, clock=ClockDouble(now))
+
+    assert result == CleanupResult(deleted=30, archived=0, batches=3)
+    assert message_ids(engine, t) == kept(groups)
+    # The walk ended at the first recent row; a later run, once that row is old, goes past it.
+    later = ClockDouble(now + timedelta(days=7))
+    assert cleanup(engine, batch_size=10, clock=later).deleted == 5 + 1 + 1  # and the late one
+
+
 @pytest.mark.sqlite
 def test_cleanup_stops_after_max_batches(sqlite_url: str, engines: list[object]) -> None:
     engine = setup(sqlite_url, engines)

@@ -105,7 +105,7 @@ def test_the_comparison_sees_a_missing_index(empty_url: str, engine_of: Any) -> 
     """Guards the test above against comparing nothing."""
     migrate.upgrade(empty_url)
     engine = engine_of(empty_url)
-    index = next(i for i in schema.outbox.indexes if i.name == "ix_outbox_messages_status_sent_at")
+    index = next(i for i in schema.outbox.indexes if i.name == "ix_outbox_messages_status_id")
     with engine.begin() as conn:
         index.drop(conn)
 
@@ -209,7 +209,7 @@ def test_an_unversioned_database_that_differs_is_refused_until_stamped(
     with databases.fresh_database("sqlite", tmp_path, create_schema=True) as url:
         engine = engine_of(url)
         with engine.begin() as conn:
-            conn.exec_driver_sql("DROP INDEX ix_outbox_messages_status_sent_at")
+            conn.exec_driver_sql("DROP INDEX ix_outbox_messages_status_id")
 
         with pytest.raises(errors.ConfigurationError, match="differ from this version's schema"):
             migrate.upgrade(url)
