@@ -73,7 +73,7 @@ def signals(
     exact_sent_up_to: int = EXACT_SENT_UP_TO,
 ) -> OutboxSignals:
     """The outbox's monitoring signals. ``pending`` and ``failed`` are counted (through the
-    indexes of undelivered rows and of status); ``sent`` is counted while a table holds at most
+    indexes of PENDING and of FAILED rows); ``sent`` is counted while a table holds at most
     ``exact_sent_up_to`` rows by the database's statistics, and estimated from them above."""
     with engine.connect() as conn:
         pending = _count(conn, t, t.c.status == schema.OutboxStatus.PENDING)
