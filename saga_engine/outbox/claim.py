@@ -205,10 +205,11 @@ def by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
     """``select``, told to read (and so lock) rows through the primary key on MySQL/MariaDB.
 
     InnoDB locks every index record a locking read scans. Left to itself, it may find the rows of
-    ``id IN (...) AND status = 0`` through an index that leads with ``status`` (it was the
-    ``(status, sent_at)`` index of that time), locking those entries in that index's order, while a relay marking its batch holds the rows' primary records and
-    needs the same entries to change them: a deadlock (seen with four optimistic relays). Through
-    the primary key every transaction locks in id order, as ``lock_in_id_order`` intends.
+    ``id IN (...) AND status = 0`` through an index that leads with ``status`` (the ``(status,
+    sent_at)`` index of that time), locking those entries in that index's order, while a relay
+    marking its batch holds the rows' primary records and needs the same entries to change them:
+    a deadlock (seen with four optimistic relays). Through the primary key every transaction locks
+    in id order, as ``lock_in_id_order`` intends.
     """
     for dialect in ("mysql", "mariadb"):
         select = select.with_hint(t, "FORCE INDEX (PRIMARY)", dialect_name=dialect)
