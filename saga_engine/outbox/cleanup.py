@@ -23,6 +23,7 @@ from saga_engine import clock, db, schema
 
 t = schema.outbox
 h = schema.outbox_history
+SENT = schema.OutboxStatus.SENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +46,12 @@ def cleanup(
 
     No index holds SENT rows, so that marking a row SENT costs one index entry fewer: cleanup walks
     the outbox by id instead (see :class:`_SentWalk`). The outbox's newest row is always kept (see
-    below), so an idle outbox keeps one SENT row.
+    there), so an idle outbox keeps one SENT row.
     """
     if batch_size < 1:
         raise ValueError("batch_size must be positive")
     now = clock.now()
-    with engine.connect() as conn:
-        # The newest row stays, however old: SQLite, and MySQL before 8.0 once it restarts, give
-        # a new row the highest id in the table plus one, so with the newest row gone they would
-        # hand out again an id that outbox_history already holds.
-        newest = conn.scalar(sa.select(sa.func.max(t.c.id)))
-    if newest is None:
-        return CleanupResult(0, 0, 0)
-    walk = _SentWalk(now - retention, batch_size, newest)
+    walk = _SentWalk(now - retention, batch_size)
 
     def batch(conn: sa.Connection) -> dict[str, int]:
         ids = walk.next_batch(conn)
@@ -84,20 +78,23 @@ class _SentWalk:
     (PENDING and FAILED rows, and rows sent late after retries) it reads again on the next run,
     which costs little: they are few, and a row sent late goes once it is old enough. A row whose
     writer's clock ran ahead ends a run early; the next run goes past it once it has aged.
+
+    The outbox's newest row is never walked, however old: SQLite, and MySQL before 8.0 once it
+    restarts, give a new row the highest id in the table plus one, so with the newest row gone
+    they would hand out again an id that outbox_history already holds.
     """
 
     cutoff: datetime
     size: int
-    #: Rows from this id on are not walked (the newest row is kept).
-    newest: int
     #: Every id up to here has been walked.
     after: int = 0
     done: bool = False
 
     def __post_init__(self) -> None:
+        newest = sa.select(sa.func.max(t.c.id)).scalar_subquery()
         self.page = (
             sa.select(t.c.id, t.c.status, t.c.sent_at, t.c.created_at)
-            .where(t.c.id > sa.bindparam("after"), t.c.id < self.newest)
+            .where(t.c.id > sa.bindparam("after"), t.c.id < newest)
             .order_by(t.c.id)
             .limit(self.size)
         )
@@ -112,8 +109,7 @@ class _SentWalk:
                     self.done = True
                     return old
                 self.after = row_id
-                sent = status == schema.OutboxStatus.SENT and sent_at is not None
-                if sent and sent_at < self.cutoff:
+                if status == SENT and sent_at is not None and sent_at < self.cutoff:
                     old.append(row_id)
                     if len(old) == self.size:
                         return old
