@@ -10,6 +10,7 @@ state. Without ``--broker`` it starts tansu (the Kafka-protocol broker shipped b
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import subprocess
@@ -119,6 +120,10 @@ class Broker:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def cpu_seconds(self) -> float:
+        """The CPU time of the tansu this run started; NaN for a broker it did not start."""
+        return cpu_seconds(self.pid) if self.pid is not None else math.nan
 
 
 @contextlib.contextmanager
@@ -267,6 +272,11 @@ class MachineCpu:
         total, idle = self._sample()
         spent = total - self.start[0]
         return 1 - (idle - self.start[1]) / spent if spent > 0 else float("nan")
+
+    def busy_seconds(self) -> float:
+        """CPU seconds all cores spent not idle, every process's together."""
+        total, idle = self._sample()
+        return ((total - self.start[0]) - (idle - self.start[1])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

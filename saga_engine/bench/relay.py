@@ -320,7 +320,7 @@ class Bench:
         phase = Phase(kind, specs)
         phase.start()
         try:
-            broker_cpu = self._broker_cpu()
+            broker_cpu = self.broker.cpu_seconds()
             cpu = env.MachineCpu()
             t0 = phase.go()
             if not phase.wait_progress(self.o.messages, self.o.timeout):
@@ -328,13 +328,10 @@ class Bench:
                     f"{kind}: only {phase.progress()} of {self.o.messages} done after {self.o.timeout} s"
                 )
             busy = cpu.busy()
-            broker_cpu = self._broker_cpu() - broker_cpu
+            broker_cpu = self.broker.cpu_seconds() - broker_cpu
             return PhaseRun(t0, phase.finish(), busy, broker_cpu)
         finally:
             phase.kill()
-
-    def _broker_cpu(self) -> float:
-        return env.cpu_seconds(self.broker.pid) if self.broker.pid is not None else math.nan
 
     def _rates_from_passes(self, key: str, run: PhaseRun) -> float:
         """Rate and drain times of a phase from its passes: (commit time, rows) as each process

@@ -5,8 +5,9 @@ participants, relay, deadlines), sharing one scratch database and one Kafka brok
 (every consumer group joined, every producer connected), the bench places N orders, each in its own
 transaction, one in ten declined at payment so the saga compensates, and waits until every saga has
 ended. Figures: sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga
-latency (``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS and CPU
-per saga; states, duplicates, dead letters and the saga's business invariants.
+latency (``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS; CPU
+per saga of the workers, the placing, the broker it started, the whole machine and the rest (the
+database, when it runs here); states, duplicates, dead letters and the saga's business invariants.
 
 ``--peer temporal`` then runs the same saga on Temporal's dev server (in memory) in the same run and
 prints the ratio. Both are measured on the same machine, one after the other.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
+import math
 import re
 import subprocess
 import sys
@@ -144,14 +146,23 @@ class Bench:
             self.logs = logs
             self._warm_up()
             cpu_before = [env.cpu_seconds(p.pid) for p in procs]
+            broker_before, machine = self.broker.cpu_seconds(), env.MachineCpu()
             placing_before = time.process_time()  # every thread of this process: the placers
             placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas), rate=o.rate)
             placing = time.process_time() - placing_before
             finished = self._wait()
-            cpu = sum(env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True))
+            cpu = Cpu(
+                workers=sum(
+                    env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True)
+                ),
+                placing=placing,
+                broker=self.broker.cpu_seconds() - broker_before,
+                machine=machine.busy_seconds(),
+                busy=machine.busy(),
+            )
             rss = [env.peak_rss_mb(p.pid) for p in procs]
             # With the workers' logs still open.
-            return self._figures(placed, finished, cpu, placing, rss)
+            return self._figures(placed, finished, cpu, rss)
 
     def _warm_up(self) -> None:
         """Every worker joined its groups and connected, before the clock starts."""
@@ -205,9 +216,7 @@ class Bench:
             time.sleep(0.2)
         return False
 
-    def _figures(
-        self, placed: list[str], finished: bool, cpu: float, placing: float, rss: list[float]
-    ) -> bool:
+    def _figures(self, placed: list[str], finished: bool, cpu: Cpu, rss: list[float]) -> bool:
         report = self.report
         with self.engine.connect() as conn:
             rows = conn.execute(
@@ -249,15 +258,7 @@ class Bench:
         report.figure("duplicates", duplicates or 0, "duplicate deliveries absorbed by the inbox")
         report.figure("dead_letters", dead or 0, "dead letters")
         report.figure("worker_peak_rss_mb", max(rss), "peak worker RSS", "MiB")
-        report.figure(
-            "worker_cpu_ms_per_saga", 1000 * cpu / len(placed), "worker CPU per saga", "ms"
-        )
-        report.figure(
-            "placing_cpu_ms_per_saga",
-            1000 * placing / len(placed),
-            "the bench's own CPU placing them, per saga",
-            "ms",
-        )
+        self._cpu_figures(cpu, len(placed))
         violations = self.module.check_invariants(self.engine, all_terminal=finished)
         report.figure("invariant_violations", len(violations), "business invariant violations")
         for violation in violations[:5]:
@@ -268,6 +269,49 @@ class Bench:
                 for line in tail(log, 8):
                     report.note(f"  {line}")
         return finished and not violations and not states.get("FAILED")
+
+    def _cpu_figures(self, cpu: Cpu, sagas: int) -> None:
+        """Where the machine's CPU went, per saga, from the first order placed to the last saga
+        ended: the workers, the placing, the broker (a tansu this run started), the rest."""
+        report = self.report
+        per_saga = 1000 / sagas
+        report.figure("worker_cpu_ms_per_saga", cpu.workers * per_saga, "worker CPU per saga", "ms")
+        report.figure(
+            "placing_cpu_ms_per_saga",
+            cpu.placing * per_saga,
+            "the bench's own CPU placing them, per saga",
+            "ms",
+        )
+        known = cpu.workers + cpu.placing
+        if not math.isnan(cpu.broker):
+            report.figure(
+                "broker_cpu_ms_per_saga", cpu.broker * per_saga, "broker CPU per saga", "ms"
+            )
+            known += cpu.broker
+        report.figure(
+            "machine_cpu_ms_per_saga", cpu.machine * per_saga, "the machine's CPU per saga", "ms"
+        )
+        report.figure(
+            "other_cpu_ms_per_saga",
+            (cpu.machine - known) * per_saga,
+            "  the rest (the database, if it runs here)",
+            "ms",
+        )
+        report.figure("machine_busy", 100 * cpu.busy, "machine CPU busy", "%")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cpu:
+    """CPU seconds spent while the bench's sagas ran, by whom."""
+
+    workers: float
+    placing: float
+    #: NaN for a broker the run did not start (its CPU is then part of the rest).
+    broker: float
+    #: Every process on the machine together, the database's included.
+    machine: float
+    #: Fraction (0..1) of all cores' time that was not idle.
+    busy: float
 
 
 @contextmanager
