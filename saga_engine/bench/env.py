@@ -253,7 +253,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class MachineCpu:
-    """How busy all cores were between construction and :meth:`busy` (from /proc/stat)."""
+    """How busy all cores were between construction and :meth:`usage` (from /proc/stat)."""
 
     def __init__(self) -> None:
         self.start = self._sample()
@@ -267,16 +267,17 @@ class MachineCpu:
         idle = values[3] + (values[4] if len(values) > 4 else 0)
         return sum(values), idle
 
+    def usage(self) -> tuple[float, float]:
+        """The CPU seconds all cores spent not idle (every process's together), and that as a
+        fraction (0..1) of all cores' time, from one reading."""
+        total, idle = self._sample()
+        spent, idle_spent = total - self.start[0], idle - self.start[1]
+        fraction = 1 - idle_spent / spent if spent > 0 else float("nan")
+        return (spent - idle_spent) / os.sysconf("SC_CLK_TCK"), fraction
+
     def busy(self) -> float:
         """Fraction (0..1) of all cores' time that was not idle."""
-        total, idle = self._sample()
-        spent = total - self.start[0]
-        return 1 - (idle - self.start[1]) / spent if spent > 0 else float("nan")
-
-    def busy_seconds(self) -> float:
-        """CPU seconds all cores spent not idle, every process's together."""
-        total, idle = self._sample()
-        return ((total - self.start[0]) - (idle - self.start[1])) / os.sysconf("SC_CLK_TCK")
+        return self.usage()[1]
 
 
 @contextlib.contextmanager

@@ -151,14 +151,15 @@ class Bench:
             placed = self._place(range(2 * WARMUP_SAGAS, 2 * WARMUP_SAGAS + o.sagas), rate=o.rate)
             placing = time.process_time() - placing_before
             finished = self._wait()
+            machine_seconds, busy = machine.usage()
             cpu = Cpu(
                 workers=sum(
                     env.cpu_seconds(p.pid) - c for p, c in zip(procs, cpu_before, strict=True)
                 ),
                 placing=placing,
                 broker=self.broker.cpu_seconds() - broker_before,
-                machine=machine.busy_seconds(),
-                busy=machine.busy(),
+                machine=machine_seconds,
+                busy=busy,
             )
             rss = [env.peak_rss_mb(p.pid) for p in procs]
             # With the workers' logs still open.

@@ -89,6 +89,8 @@ class _SentWalk:
     #: Every id up to here has been walked.
     after: int = 0
     done: bool = False
+    #: The next page's rows (built once per walk, from ``size``).
+    page: sa.Select[Any] = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         newest = sa.select(sa.func.max(t.c.id)).scalar_subquery()
