@@ -185,7 +185,9 @@ class Statements:
                 .order_by(t.c.id)
                 .with_for_update()
             ),
-            lease=sa.update(t).where(id_in).values(claimed_by=_TOKEN, lease_until=_LEASE_UNTIL),
+            lease=update_by_primary_key(
+                sa.update(t).where(id_in).values(claimed_by=_TOKEN, lease_until=_LEASE_UNTIL)
+            ),
             guard=sa.select(t.c.partition_key, sa.func.min(t.c.id))
             .where(
                 IS_PENDING,
@@ -195,9 +197,11 @@ class Statements:
             )
             .group_by(t.c.partition_key),
             lock=by_primary_key(sa.select(t.c.id).where(id_in).order_by(t.c.id).with_for_update()),
-            release=sa.update(t)
-            .where(id_in, t.c.claimed_by == _TOKEN)
-            .values(claimed_by=sa.null(), lease_until=sa.null()),
+            release=update_by_primary_key(
+                sa.update(t)
+                .where(id_in, t.c.claimed_by == _TOKEN)
+                .values(claimed_by=sa.null(), lease_until=sa.null())
+            ),
         )
 
 
@@ -211,9 +215,42 @@ def by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
     a deadlock (seen with four optimistic relays). Through the primary key every transaction locks
     in id order, as ``lock_in_id_order`` intends.
     """
-    for dialect in ("mysql", "mariadb"):
+    for dialect in _MYSQL:
         select = select.with_hint(t, "FORCE INDEX (PRIMARY)", dialect_name=dialect)
     return select
+
+
+def update_by_primary_key(update: sa.Update) -> sa.Update:
+    """``update`` of rows by id, told to find them through the primary key on MySQL/MariaDB.
+
+    Their planner may take the plain index on ``id`` that stands in there for PostgreSQL's partial
+    index of PENDING rows (``ix_outbox_messages_pending_id``), or, while the statistics say the
+    outbox is nearly empty (it often is), scan the whole table. Under REPEATABLE READ (the
+    optimistic claim's) either locks rows other relays hold, or the gaps around them: the lease of
+    four optimistic relays deadlocked on MariaDB once their relays archived.
+    """
+    for dialect in _MYSQL:
+        update = update.with_hint("FORCE INDEX (PRIMARY)", dialect_name=dialect)
+    return update
+
+
+def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
+    """``DELETE`` of the outbox rows ``:ids`` (those leased to ``:token`` if ``owned``), through
+    the primary key: for MySQL and MariaDB, whose single-table ``DELETE`` takes no index hint.
+
+    A lookup in the non-unique index on ``id`` also reads the entry after each id, and a DELETE,
+    unlike an UPDATE, waits for that row's lock, even under READ COMMITTED: a row another relay
+    has claimed, while that relay waits for one of ours. Four relays archiving on MariaDB
+    deadlocked so. Only the multi-table form of ``DELETE`` takes the hint.
+    """
+    name = t.name
+    sql = f"DELETE {name} FROM {name} FORCE INDEX (PRIMARY) WHERE {name}.id IN :ids"
+    if owned:
+        sql += f" AND {name}.claimed_by = :token"
+    return sa.text(sql).bindparams(sa.bindparam("ids", expanding=True))
+
+
+_MYSQL = ("mysql", "mariadb")
 
 
 _ARRAY_STATEMENTS = Statements.build(array=True)

@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 
 from saga_engine import clock, db, schema
+from saga_engine.outbox import claim as claims
 
 t = schema.outbox
 h = schema.outbox_history
@@ -59,10 +60,7 @@ def cleanup(
             return {}
         # Deleted by id: DELETE ... LIMIT is MySQL-only, and the ids bound the batch everywhere.
         archived = _archive(conn, ids, now) if archive else 0
-        return {
-            "deleted": conn.execute(sa.delete(t).where(t.c.id.in_(ids))).rowcount,
-            "archived": archived,
-        }
+        return {"deleted": conn.execute(_delete(conn), {"ids": ids}).rowcount, "archived": archived}
 
     totals, batches = db.delete_in_batches(engine, batch, max_batches)
     return CleanupResult(totals["deleted"], totals["archived"], batches)
@@ -155,6 +153,16 @@ def prune_history(
 
     totals, _ = db.delete_in_batches(engine, batch, max_batches)
     return totals["deleted"]
+
+
+def _delete(conn: sa.Connection) -> sa.Executable:
+    # On MySQL and MariaDB through the primary key, or it may lock PENDING rows a relay holds.
+    if db.dialect_name(conn) == "mysql":
+        return claims.delete_by_primary_key(owned=False)
+    return _DELETE
+
+
+_DELETE = sa.delete(t).where(t.c.id.in_(sa.bindparam("ids", expanding=True)))
 
 
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:

@@ -151,9 +151,9 @@ def test_postgresql_binds_id_and_key_lists_as_arrays() -> None:
     assert "NOT (outbox_messages.id = ANY (%(ids)s::BIGINT[]))" in guard
     for statement in (built.lock, built.release, built.take, built.lease):
         assert "outbox_messages.id = ANY (%(ids)s::BIGINT[])" in sql_of(statement, dialect)
-    marks = relays._MARKS[True, False]
+    marks = relays._MARKS["postgresql", False]
     assert "WHERE outbox_messages.id = ANY (%(ids)s::BIGINT[])" in sql_of(marks.sent, dialect)
-    owned = sql_of(relays._MARKS[True, True].sent, dialect)
+    owned = sql_of(relays._MARKS["postgresql", True].sent, dialect)
     assert "AND outbox_messages.claimed_by = %(token)s::VARCHAR" in owned
 
 
@@ -165,7 +165,7 @@ def test_other_servers_keep_expanding_in_lists(dialect: sa.Dialect) -> None:
     assert "id NOT IN (__[POSTCOMPILE_ids])" in guard
     for statement in (built.lock, built.release, built.take, built.lease):
         assert "ANY" not in sql_of(statement, dialect)
-    assert "IN (__[POSTCOMPILE_ids])" in sql_of(relays._MARKS[False, False].sent, dialect)
+    assert "IN (__[POSTCOMPILE_ids])" in sql_of(relays._MARKS["other", False].sent, dialect)
 
 
 def test_locking_reads_go_through_the_primary_key_on_mysql() -> None:
@@ -176,6 +176,24 @@ def test_locking_reads_go_through_the_primary_key_on_mysql() -> None:
             statement, mysql.pymysql.dialect()
         )
         assert "FORCE" not in sql_of(statement, sqlite.dialect())
+    for update in (built.lease, built.release, relays._MARKS["mysql", False].sent):
+        assert "UPDATE outbox_messages FORCE INDEX (PRIMARY) SET" in sql_of(
+            update, mysql.pymysql.dialect()
+        )
+        assert "FORCE" not in sql_of(update, sqlite.dialect())
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_deletes_of_acknowledged_rows_go_through_the_primary_key_on_mysql(owned: bool) -> None:
+    """Through the plain index on id, a DELETE waits for the row after each id: deadlocks."""
+    mine = " AND outbox_messages.claimed_by = %s" if owned else ""
+    marks = relays._MARKS["mysql", owned]
+    for statement in (marks.deleted, marks.archived[-1]):
+        assert sql_of(statement, mysql.pymysql.dialect()) == (
+            "DELETE outbox_messages FROM outbox_messages FORCE INDEX (PRIMARY) "
+            f"WHERE outbox_messages.id IN (__[POSTCOMPILE_ids]){mine}"
+        )
+    assert "FORCE" not in sql_of(relays._MARKS["other", owned].deleted, sqlite.dialect())
 
 
 def test_the_claim_compares_status_with_the_partial_index_literal() -> None:
