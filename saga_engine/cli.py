@@ -71,7 +71,7 @@ def add_broker(parser: argparse.ArgumentParser) -> None:
 
 
 #: The engine's tables each kind of command reads and writes (all are made by ``db upgrade``).
-OUTBOX_TABLES = ("outbox_messages",)
+OUTBOX_TABLES = ("outbox_messages", "outbox_history")
 CONSUMER_TABLES = (*OUTBOX_TABLES, "inbox_messages", "inbox_duplicates", "dead_letters")
 SAGA_TABLES = (*CONSUMER_TABLES, "saga_instances")
 
@@ -167,10 +167,11 @@ def register_relay(commands: Any) -> None:
     parser.add_argument("--claim", default="auto", choices=["auto", "skip_locked", "optimistic"])
     parser.add_argument(
         "--on-sent",
-        default="mark",
-        choices=["mark", "archive", "delete"],
-        help="keep acknowledged rows as SENT until cleanup (mark), move them to outbox_history "
-        "(archive), or delete them at once",
+        default="auto",
+        choices=["auto", "mark", "archive", "delete"],
+        help="move acknowledged rows to outbox_history (archive), keep them as SENT until "
+        "cleanup (mark), or delete them at once; auto (the default) archives where the "
+        "database can, else marks",
     )
     parser.set_defaults(run=run_relay)
 
@@ -223,6 +224,8 @@ def register_cleanup(commands: Any) -> None:
 #: here would slow every command's start by some 40 ms. A unit test holds it to
 #: ``inbox.INBOX_RETENTION``.
 INBOX_RETENTION_DAYS = 30.0
+#: The same for delivered messages (``cleanup.RETENTION`` and ``cleanup.HISTORY_RETENTION``).
+RETENTION_DAYS = 7.0
 
 
 def add_retention(parser: argparse.ArgumentParser) -> None:
@@ -231,9 +234,9 @@ def add_retention(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--retention-days",
         type=float,
-        default=7.0,
+        default=RETENTION_DAYS,
         metavar="DAYS",
-        help="SENT outbox rows (default 7)",
+        help=f"SENT outbox rows (default {RETENTION_DAYS:g})",
     )
     group.add_argument(
         "--inbox-retention-days",
@@ -253,9 +256,10 @@ def add_retention(parser: argparse.ArgumentParser) -> None:
         "--history-retention-days",
         type=float,
         metavar="DAYS",
-        help="rows in outbox_history, archived by cleanup --archive or by relays with "
-        "--on-sent archive (default: keep them)",
+        help="rows in outbox_history, archived by relays (by default where the database "
+        f"can) or by cleanup --archive, counted from their archiving (default {RETENTION_DAYS:g})",
     )
+    group.add_argument("--keep-history", action="store_true", help="leave outbox_history alone")
     group.add_argument(
         "--dead-letter-retention-days",
         type=float,
@@ -283,6 +287,9 @@ class Retention:
             inbox_days = INBOX_RETENTION_DAYS
         # Zero would prune every inbox entry at once, while they still guard against redelivery.
         inbox_hint = " (use --keep-inbox to keep every entry)"
+        history_days = args.history_retention_days
+        if history_days is None:
+            history_days = RETENTION_DAYS
         return cls(
             outbox=timedelta(days=args.retention_days),
             inbox=None
@@ -290,7 +297,7 @@ class Retention:
             else _days("--inbox-retention-days", inbox_days, inbox_hint),
             sagas=_days("--saga-retention-days", args.saga_retention_days),
             dead_letters=_days("--dead-letter-retention-days", args.dead_letter_retention_days),
-            history=_days("--history-retention-days", args.history_retention_days),
+            history=None if args.keep_history else _days("--history-retention-days", history_days),
         )
 
 
@@ -308,8 +315,7 @@ def run_cleanup(args: argparse.Namespace) -> int:
     from saga_engine.outbox.cleanup import cleanup, prune_history
 
     retention = Retention.from_args(args)
-    history = args.archive or retention.history is not None
-    tables = (*OUTBOX_TABLES, "outbox_history") if history else OUTBOX_TABLES
+    tables: tuple[str, ...] = OUTBOX_TABLES
     if retention.inbox is not None:
         tables = (*tables, "inbox_messages", "inbox_duplicates")
     if retention.dead_letters is not None:

@@ -220,7 +220,9 @@ def summary(
         },
         "duration_s": round(duration, 3),
         "sagas_per_s": round(len(plan) / duration, 1),
-        "outbox_messages": count(engine, table=schema.outbox),
+        # Every message written: delivered ones are in the history where the relay archives.
+        "outbox_messages": count(engine, table=schema.outbox)
+        + count(engine, table=schema.outbox_history),
         "duplicates": count(engine, table=schema.inbox_duplicates),
         "dead_letters": count(engine, table=schema.dead_letters),
         "invariants_ok": not violations,

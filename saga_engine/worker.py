@@ -88,7 +88,7 @@ class WorkerOptions:
     participant_dbs: dict[str, str] = dataclasses.field(default_factory=dict)
     deadline_interval: float = 0.2
     cleanup_interval: float = 3600.0
-    retention: timedelta = timedelta(days=7)
+    retention: timedelta = cleanup.RETENTION
     #: Inbox entries older than this are pruned by the cleanup role; None keeps them all.
     inbox_retention: timedelta | None = inbox.INBOX_RETENTION
     #: Sagas that ended longer ago than this are deleted by the cleanup role; None (the default)
@@ -97,9 +97,10 @@ class WorkerOptions:
     #: Dead letters older than this are deleted by the cleanup role; None (the default) keeps
     #: them until an operator deletes them.
     dead_letter_retention: timedelta | None = None
-    #: Rows in ``outbox_history`` (``RelayConfig.on_sent="archive"``, or cleanup's archive) older
-    #: than this are deleted by the cleanup role; None (the default) keeps them.
-    history_retention: timedelta | None = None
+    #: Rows in ``outbox_history`` (archived by the relays, as ``RelayConfig.on_sent`` does by
+    #: default where the database can, or by cleanup's archive) archived longer ago than this are
+    #: deleted by the cleanup role; None keeps them.
+    history_retention: timedelta | None = cleanup.HISTORY_RETENTION
     relay_wake_interval: float = RELAY_WAKE_INTERVAL
 
     def __post_init__(self) -> None:

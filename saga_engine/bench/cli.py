@@ -15,7 +15,7 @@ from saga_engine.bench import env
 
 #: ``RelayConfig.on_sent``'s choices, spelled out: importing the relay would slow every command's
 #: start (a unit test holds the two lists together).
-ON_SENT = ["mark", "archive", "delete"]
+ON_SENT = ["auto", "mark", "archive", "delete"]
 
 
 def register(commands: Any) -> None:
@@ -75,9 +75,10 @@ def _relay(sub: Any) -> None:
     )
     parser.add_argument(
         "--on-sent",
-        default="mark",
+        default="auto",
         choices=ON_SENT,
-        help="what the relay does with acknowledged rows (RelayConfig.on_sent; default mark)",
+        help="what the relay does with acknowledged rows (RelayConfig.on_sent; default auto: "
+        "archive where the database can, else mark)",
     )
     _setup_sql(parser)
     parser.set_defaults(run=run_relay)
@@ -244,7 +245,7 @@ def _pass(sub: Any) -> None:
         help="rows per pass, one run of passes for each (default 1,15,300)",
     )
     parser.add_argument("--passes", type=int, default=200, help="timed passes per size")
-    parser.add_argument("--on-sent", default="mark", choices=ON_SENT)
+    parser.add_argument("--on-sent", default="auto", choices=ON_SENT)
     parser.set_defaults(run=run_pass)
 
 

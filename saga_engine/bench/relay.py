@@ -49,7 +49,7 @@ from saga_engine import errors, schema
 from saga_engine.bench import env
 from saga_engine.bench.procs import Phase, Result
 from saga_engine.bench.report import Report, percentile
-from saga_engine.outbox.relay import ON_SENT, to_outgoing
+from saga_engine.outbox.relay import ON_SENT, on_sent_for, to_outgoing
 
 t = schema.outbox
 TARGET_RATIO = 0.85
@@ -81,7 +81,7 @@ class Options:
     #: Statements run in the scratch database after writing (e.g. to try an index).
     setup_sql: tuple[str, ...] = ()
     #: ``RelayConfig.on_sent`` of the relays, and what the database ceiling does with its rows.
-    on_sent: str = "mark"
+    on_sent: str = "auto"
 
     def __post_init__(self) -> None:
         if min(self.messages, self.relays, self.batch_size, self.per_transaction) < 1:
@@ -105,6 +105,8 @@ class PhaseRun:
 def run(options: Options, report: Report) -> bool:
     """Run every phase; True when nothing was lost, duplicated or reordered."""
     with env.world(options.db, options.broker, keep_db=options.keep_db) as (url, engine, broker):
+        # "auto" decided once for this database, so every phase settles its rows the same way.
+        options = dataclasses.replace(options, on_sent=on_sent_for(engine, options.on_sent))
         bench = Bench(options, report, url, engine, broker)
         try:
             return bench.run()

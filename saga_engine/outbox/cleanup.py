@@ -24,6 +24,12 @@ from saga_engine.outbox import claim as claims
 
 t = schema.outbox
 h = schema.outbox_history
+
+#: How long delivered messages are kept by default: as SENT rows in the outbox (relays with
+#: ``on_sent="mark"``), and in ``outbox_history`` (archived by relays, the default where the
+#: database can, or by ``cleanup(archive=True)``), counted from when they were archived.
+RETENTION = timedelta(days=7)
+HISTORY_RETENTION = RETENTION
 SENT = schema.OutboxStatus.SENT
 
 
@@ -37,7 +43,7 @@ class CleanupResult:
 def cleanup(
     engine: Engine,
     *,
-    retention: timedelta = timedelta(days=7),
+    retention: timedelta = RETENTION,
     batch_size: int = 1000,
     archive: bool = False,
     clock: clock.Clock = clock.SYSTEM,

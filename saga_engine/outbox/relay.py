@@ -1,9 +1,10 @@
 """The message relay: claims outbox rows in batches, publishes them, marks the results.
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
-(one broker round trip per message of its busiest key: see ``_publish_in_key_order``), mark
-every acknowledged row SENT with one UPDATE (or move them all to ``outbox_history`` with
-``on_sent="archive"``, or delete them with one DELETE with ``on_sent="delete"``), and give each
+(one broker round trip per message of its busiest key: see ``_publish_in_key_order``), move
+every acknowledged row to ``outbox_history`` with one statement (``on_sent="archive"``, the default
+where the database allows it; or mark them SENT with one UPDATE with ``"mark"``, or delete them
+with one DELETE with ``"delete"``), and give each
 failed row ``retry_count + 1`` and an exponential, jittered ``next_retry_at`` (FAILED past
 ``max_retries``). Nothing is marked before the broker acknowledged it, so a relay killed at any
 point loses nothing: whatever it had in flight is published again and the consumers' inbox absorbs
@@ -41,9 +42,9 @@ from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 log = logging.getLogger(__name__)
 t = schema.outbox
 
-#: ``RelayConfig.on_sent``: keep acknowledged rows as SENT, move them to ``outbox_history``, or
-#: delete them.
-ON_SENT = ("mark", "archive", "delete")
+#: ``RelayConfig.on_sent``: archive where the database can, else mark (``auto``); keep acknowledged
+#: rows as SENT, move them to ``outbox_history``, or delete them.
+ON_SENT = ("auto", "mark", "archive", "delete")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +66,9 @@ class RelayConfig:
     #: after the retention; ``"archive"`` moves it, SENT, to ``outbox_history`` at once, which
     #: costs the database half as much and keeps the outbox to undelivered rows; ``"delete"``
     #: deletes it at once (the article's "or delete the record directly"), which costs a sixth
-    #: as much and keeps no history (docs/outbox.md).
-    on_sent: str = "mark"
+    #: as much and keeps no history. ``"auto"`` archives where the database never hands out an
+    #: id again (PostgreSQL, MariaDB, MySQL 8) and marks elsewhere (docs/outbox.md).
+    on_sent: str = "auto"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.poll_interval <= 0 or self.ack_timeout <= 0:
@@ -129,8 +131,8 @@ class Relay:
         self.strategy = claims.strategy_for(
             engine, self.config.claim, timedelta(seconds=self.config.lease_seconds)
         )
-        if self.config.on_sent == "archive":
-            check_archive_supported(engine)
+        #: ``config.on_sent`` with ``"auto"`` decided for this database.
+        self.on_sent = on_sent_for(engine, self.config.on_sent)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -231,7 +233,7 @@ class Relay:
         marked = 0
         if sent:
             params = {"ids": sent, "now": now, "token": batch.token}
-            for statement in statements.done(self.config.on_sent):
+            for statement in statements.done(self.on_sent):
                 marked = batch.conn.execute(statement, params).rowcount
             if marked < len(sent):
                 # Our lease ran out mid-publish and another relay owns them: it will send again.
@@ -551,8 +553,21 @@ def _archive(
     return history.insert().from_select(cleanup.HISTORY_COLUMNS, rows), delete
 
 
-def check_archive_supported(engine: Engine) -> None:
-    """Refuse ``on_sent="archive"`` where the outbox may hand out an id again.
+def on_sent_for(engine: Engine, on_sent: str) -> str:
+    """``on_sent`` for relays on ``engine``: ``"auto"`` becomes ``"archive"`` where the database
+    can archive and ``"mark"`` where it cannot; an explicit ``"archive"`` there is refused."""
+    if on_sent not in ("auto", "archive"):
+        return on_sent
+    refusal = archive_refusal(engine)
+    if refusal is None:
+        return "archive"
+    if on_sent == "auto":
+        return "mark"
+    raise errors.ConfigurationError(refusal)
+
+
+def archive_refusal(engine: Engine) -> str | None:
+    """Why ``on_sent="archive"`` cannot work on ``engine``'s database, or None where it can.
 
     ``outbox_history`` is keyed by the outbox's ids, and archiving empties the outbox. SQLite then
     gives the next row the id 1 again, as does MySQL before 8.0 after a restart: the archive of
@@ -560,16 +575,17 @@ def check_archive_supported(engine: Engine) -> None:
     """
     dialect = engine.dialect
     if dialect.name == "sqlite":
-        raise errors.ConfigurationError(
+        return (
             'on_sent="archive" needs ids that are never handed out again: SQLite reuses them '
             'once the table is empty; use "mark" or "delete" there'
         )
     mysql = dialect.name == "mysql" and not getattr(dialect, "is_mariadb", False)
     if mysql and db.server_version(engine) < (8, 0):
-        raise errors.ConfigurationError(
+        return (
             'on_sent="archive" needs MySQL 8.0 or later: earlier servers forget the next '
             'id on restart and hand out ids of archived rows again; use "mark" or "delete"'
         )
+    return None
 
 
 #: The kinds of server whose marks differ: PostgreSQL binds lists as arrays, MySQL and MariaDB

@@ -73,9 +73,10 @@ class Runtime:
         self.consumers = [self._orchestrator(config)] + [
             self._participant(name, engines[name], config) for name in sorted(app.participants)
         ]
-        # on_sent stays "mark" whatever the app says: the "nothing lost" invariant checks each
-        # outbox row against the inboxes, which needs the delivered rows kept.
+        # on_sent is "mark" whatever the app says: the "nothing lost" invariant checks each
+        # outbox row against the inboxes, which needs the delivered rows kept in the outbox.
         relay_config = RelayConfig(
+            on_sent="mark",
             batch_size=batch_size,
             claim=app.relay_config.claim,
             max_retries=app.relay_config.max_retries,

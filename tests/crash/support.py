@@ -411,9 +411,12 @@ def outcome_problems(engine: Engine, orders: Orders) -> list[str]:
 def effects_applied_twice(engine: Engine) -> list[str]:
     """Each command of these sagas is sent once and handled once: one command row and one reply
     row per command id. A participant that ran a redelivered command again would reply twice."""
-    o = schema.outbox
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(o.c.destination, o.c.headers)).all()
+    with engine.connect() as conn:  # delivered rows are in the history where relays archive
+        rows = [
+            row
+            for o in (schema.outbox, schema.outbox_history)
+            for row in conn.execute(sa.select(o.c.destination, o.c.headers)).all()
+        ]
     written: Counter[tuple[str, str]] = Counter()
     for destination, headers in rows:
         command_id = json.loads(headers).get("command_id")
@@ -441,8 +444,11 @@ def figures(engine: Engine, orders: Orders, **extra: Any) -> dict[str, Any]:
         "duplicates_absorbed": sum(duplicates.values()),
         "duplicates_by_consumer": duplicates,
         "dead_letters": count(engine, schema.dead_letters),
-        "outbox_messages": count(engine, schema.outbox),
-        "outbox_retried": count(engine, schema.outbox, schema.outbox.c.retry_count > 0),
+        # Written, wherever the relays left them (the history, where they archive).
+        "outbox_messages": sum(count(engine, o) for o in (schema.outbox, schema.outbox_history)),
+        "outbox_retried": sum(
+            count(engine, o, o.c.retry_count > 0) for o in (schema.outbox, schema.outbox_history)
+        ),
         **extra,
     }
 

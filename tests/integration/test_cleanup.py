@@ -208,6 +208,7 @@ def test_cleanup_through_the_cli(db_url: str, engines: list[object]) -> None:
         "deleted": 2500,
         "archived": 2500,
         "batches": 3,
+        "history": 0,  # archived just now: within the 7 days of --history-retention-days
         "inbox": 1,  # older than the 30 days of --inbox-retention-days
         "inbox_duplicates": 0,
     }
@@ -266,25 +267,31 @@ def test_prune_history_walks_the_history_by_id_and_keeps_what_is_recent(
         prune_history(engine, retention=timedelta(days=30), batch_size=0)
 
 
-def test_the_cli_prunes_the_history_only_when_given_its_retention(
+def test_the_cli_prunes_the_history_after_its_retention_unless_told_to_keep_it(
     db_url: str, engines: list[object]
 ) -> None:
     engine = setup(db_url, engines)
     now = clock.SYSTEM.now()  # the CLI uses the wall clock
+    archived = [now - timedelta(days=40), now - timedelta(days=10), now - timedelta(days=6), now]
     with engine.begin() as conn:
-        conn.execute(h.insert(), [history_row(1, now - timedelta(days=40)), history_row(2, now)])
+        conn.execute(h.insert(), [history_row(i, at) for i, at in enumerate(archived, 1)])
 
     def run(*options: str) -> subprocess.CompletedProcess[str]:
         command = [CLI, "cleanup", "--db", db_url, "--keep-inbox", *options]
         return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
-    done = run()
+    def history() -> list[int]:
+        with engine.connect() as conn:
+            return list(conn.scalars(sa.select(h.c.id).order_by(h.c.id)))
+
+    done = run("--keep-history")
     assert done.returncode == 0, done.stderr
-    assert "history" not in json.loads(done.stdout)
+    assert "history" not in json.loads(done.stdout) and history() == [1, 2, 3, 4]
     done = run("--history-retention-days", "30")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["history"] == 1
-    with engine.connect() as conn:
-        assert list(conn.scalars(sa.select(h.c.id))) == [2]
+    assert json.loads(done.stdout)["history"] == 1 and history() == [2, 3, 4]
+    done = run()  # the default: 7 days
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["history"] == 1 and history() == [3, 4]
     refused = run("--history-retention-days", "0")
     assert refused.returncode != 0 and "--history-retention-days" in refused.stderr

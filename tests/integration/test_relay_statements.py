@@ -149,9 +149,8 @@ def test_a_guard_with_nothing_blocking_publishes_the_whole_claim(engine: sa.Engi
 def test_a_batch_of_1200_is_claimed_published_and_marked(engine: sa.Engine, strategy: str) -> None:
     write(engine, [envelope(f"k{i}") for i in range(1200)])
     clock = ClockDouble(START + timedelta(seconds=1))
-    relay = Relay(
-        engine, MemoryTransport(), RelayConfig(batch_size=1200, claim=strategy), clock=clock
-    )
+    config = RelayConfig(batch_size=1200, claim=strategy, on_sent="mark")  # the rows stay
+    relay = Relay(engine, MemoryTransport(), config, clock=clock)
     log = StatementLog(engine)
     assert relay.run_once() == BatchOutcome(published=1200, retried=0, failed=0, claimed=1200)
     with engine.connect() as conn:
@@ -170,7 +169,7 @@ def test_a_leased_batch_releases_the_rows_it_did_not_attempt(engine: sa.Engine) 
     messages = write(engine, [envelope("a", n) for n in range(3)] + [envelope("b")])
     transport = FailingTransportDouble(failing={messages[0].message_id})
     clock = ClockDouble(START + timedelta(seconds=1))
-    config = RelayConfig(claim="optimistic", backoff_base=60)
+    config = RelayConfig(claim="optimistic", backoff_base=60, on_sent="mark")  # the rows stay
     relay = Relay(engine, transport, config, clock=clock, rng=random.Random(3))
     assert relay.run_once() == BatchOutcome(published=1, retried=1, failed=0, claimed=4)
     after = statuses(engine)
@@ -317,13 +316,27 @@ def test_on_sent_archive_of_a_leased_batch_spares_rows_another_relay_took(
     assert archived == [claim.rows[0].id]
 
 
+def test_relays_archive_by_default_where_the_database_can(server_engine: sa.Engine) -> None:
+    engine = server_engine
+    write(engine, [envelope("a", 0), envelope("a", 1), envelope("b")])
+    relay = Relay(engine, MemoryTransport(), RelayConfig(), clock=ClockDouble(LATER))
+    assert (RelayConfig().on_sent, relay.on_sent) == ("auto", "archive")
+    assert relay.run_once().published == 3
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(t)) == 0
+        archived = conn.execute(sa.select(schema.outbox_history.c.status)).scalars().all()
+    assert archived == [SENT] * 3
+
+
 @pytest.mark.sqlite
-def test_sqlite_refuses_on_sent_archive(sqlite_url: str) -> None:
+def test_sqlite_refuses_on_sent_archive_and_marks_by_default(sqlite_url: str) -> None:
     engine = db.create_engine(sqlite_url)
     try:
         with pytest.raises(ConfigurationError, match="SQLite reuses them"):
             Relay(engine, MemoryTransport(), RelayConfig(on_sent="archive"))
-        Relay(engine, MemoryTransport(), RelayConfig(on_sent="delete"))  # the others are fine
+        assert Relay(engine, MemoryTransport(), RelayConfig()).on_sent == "mark"  # auto
+        for on_sent in ("mark", "delete"):  # the others are as given
+            assert Relay(engine, MemoryTransport(), RelayConfig(on_sent=on_sent)).on_sent == on_sent
     finally:
         engine.dispose()
 

@@ -125,17 +125,25 @@ def test_the_cleanup_and_worker_commands_say_the_retentions_they_apply(
     argv = [command, "--app", "m:app"] if command == "worker" else [command]
     args = build_parser().parse_args(argv)
     assert (args.inbox_retention_days, args.saga_retention_days) == (None, None)  # the defaults
+    worker = WorkerOptions(db_url="")
     assert Retention.from_args(args) == Retention(
-        outbox=WorkerOptions(db_url="").retention,
+        outbox=worker.retention,
         inbox=INBOX_RETENTION,
         sagas=None,
         dead_letters=None,
+        history=worker.history_retention,
     )
+    assert worker.history_retention == worker.retention  # delivered messages, wherever they are
+    kept = Retention.from_args(build_parser().parse_args([*argv, "--keep-history"]))
+    assert kept.history is None
     with pytest.raises(SystemExit):
         build_parser().parse_args([command, "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"inbox entries (default {INBOX_RETENTION / timedelta(days=1):g})" in help_text
     assert "sagas that ended (default: keep them)" in help_text
+    days = worker.retention / timedelta(days=1)
+    assert f"SENT outbox rows (default {days:g})" in help_text
+    assert f"counted from their archiving (default {days:g})" in help_text
 
 
 # -- the payload limit, at write time -----------------------------------------------------------
