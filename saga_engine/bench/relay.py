@@ -198,7 +198,11 @@ class Bench:
             raw = self._raw_producer("raw_producer", o.relays)
         raw_one = self._raw_producer("raw_producer_1", 1) if o.relays > 1 else raw
         lost, duplicates, order_violations = self._verify(topic)
-        self.report.ratio("round_ratio", relay, raw, "this round: relay / raw producer")
+        # Named per round: one key for all would leave the last round's in the JSON, easily
+        # mistaken for the ratio (the median, ``relay_vs_raw_producer``).
+        self.report.ratio(
+            f"round_{index + 1}_ratio", relay, raw, "this round: relay / raw producer"
+        )
         return {
             "relay": relay,
             "raw": raw,
