@@ -4,7 +4,8 @@ Writer processes commit one business transaction per message (a ``bench_orders``
 outbox message) on an open-loop schedule of ``--rate`` messages per second, and note the wall time
 at which each commit returned. One relay process delivers them to Kafka; the latency of a message
 is its ``sent_at`` (stamped by the relay once the broker acknowledged the batch; the relay archives
-or marks as the engine does by default) minus its commit time. It runs twice: with NOTIFY wake-ups (PostgreSQL), and polling only, every ``--poll-interval``.
+or marks as the engine does by default) minus its commit time. It runs twice: with NOTIFY wake-ups
+(PostgreSQL), and polling only, every ``--poll-interval``.
 
 Before that, the write overhead: the p50 of a business transaction that inserts one row, with and
 without ``OutboxWriter.add`` of one message (arms interleaved, no relay running).

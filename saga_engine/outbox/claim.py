@@ -205,6 +205,10 @@ class Statements:
         )
 
 
+#: SQLAlchemy's names for MySQL and MariaDB, for hints only they understand.
+_MYSQL = ("mysql", "mariadb")
+
+
 def by_primary_key(select: sa.Select[Any]) -> sa.Select[Any]:
     """``select``, told to read (and so lock) rows through the primary key on MySQL/MariaDB.
 
@@ -248,9 +252,6 @@ def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
     if owned:
         sql += f" AND {name}.claimed_by = :token"
     return sa.text(sql).bindparams(sa.bindparam("ids", expanding=True))
-
-
-_MYSQL = ("mysql", "mariadb")
 
 
 _ARRAY_STATEMENTS = Statements.build(array=True)

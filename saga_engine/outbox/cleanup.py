@@ -163,12 +163,11 @@ def prune_history(
 
 def _delete(conn: sa.Connection) -> sa.Executable:
     # On MySQL and MariaDB through the primary key, or it may lock PENDING rows a relay holds.
-    if db.dialect_name(conn) == "mysql":
-        return claims.delete_by_primary_key(owned=False)
-    return _DELETE
+    return _MYSQL_DELETE if db.dialect_name(conn) == "mysql" else _DELETE
 
 
 _DELETE = sa.delete(t).where(t.c.id.in_(sa.bindparam("ids", expanding=True)))
+_MYSQL_DELETE = claims.delete_by_primary_key(owned=False)
 
 
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:

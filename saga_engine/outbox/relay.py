@@ -1,14 +1,13 @@
-"""The message relay: claims outbox rows in batches, publishes them, marks the results.
+"""The message relay: claims outbox rows in batches, publishes them, settles the results.
 
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
-(one broker round trip per message of its busiest key: see ``_publish_in_key_order``), move
-every acknowledged row to ``outbox_history`` with one statement (``on_sent="archive"``, the default
-where the database allows it; or mark them SENT with one UPDATE with ``"mark"``, or delete them
-with one DELETE with ``"delete"``), and give each
-failed row ``retry_count + 1`` and an exponential, jittered ``next_retry_at`` (FAILED past
-``max_retries``). Nothing is marked before the broker acknowledged it, so a relay killed at any
-point loses nothing: whatever it had in flight is published again and the consumers' inbox absorbs
-the duplicate.
+(one broker round trip per message of its busiest key: see ``_publish_in_key_order``), settle every
+acknowledged row (move them all to ``outbox_history`` with one statement, ``on_sent="archive"``,
+the default where the database allows it; or mark them SENT with one UPDATE, ``"mark"``; or delete
+them with one DELETE, ``"delete"``), and give each failed row ``retry_count + 1`` and an
+exponential, jittered ``next_retry_at`` (FAILED past ``max_retries``). Nothing is settled before
+the broker acknowledged it, so a relay killed at any point loses nothing: whatever it had in flight
+is published again and the consumers' inbox absorbs the duplicate.
 
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the next poll, or a stop request, whichever comes first. Polls

@@ -196,6 +196,15 @@ def test_deletes_of_acknowledged_rows_go_through_the_primary_key_on_mysql(owned:
     assert "FORCE" not in sql_of(relays._MARKS["other", owned].deleted, sqlite.dialect())
 
 
+def test_cleanup_deletes_through_the_primary_key_on_mysql() -> None:
+    from saga_engine.outbox import cleanup
+
+    assert sql_of(cleanup._MYSQL_DELETE, mysql.pymysql.dialect()) == (
+        "DELETE outbox_messages FROM outbox_messages FORCE INDEX (PRIMARY) "
+        "WHERE outbox_messages.id IN (__[POSTCOMPILE_ids])"
+    )
+
+
 def test_the_claim_compares_status_with_the_partial_index_literal() -> None:
     """A parameter for the status would keep a prepared (generic) plan off the partial index."""
     dialect = pg_dialect()
