@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -144,6 +145,26 @@ def test_uuid7_stays_monotonic_within_one_millisecond_and_when_the_clock_steps_b
     generated = same_ms + stepped_back
     assert [u.int for u in generated] == sorted(u.int for u in generated)
     assert len({u.int for u in generated}) == len(generated)
+
+
+def test_a_forked_child_never_repeats_its_parents_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random bits are drawn a block at a time: a child must not reuse the parent's block."""
+    monkeypatch.setattr(ids, "_last_ms", ids._last_ms)  # restored afterwards
+    monkeypatch.setattr(ids, "_counter", ids._counter)
+    frozen = time.time_ns() + 2_000_000_000  # one millisecond for both, and the same counter
+    monkeypatch.setattr(ids.time, "time_ns", lambda: frozen)
+    ids.new_id()  # the parent holds a block of random bytes now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ids, to the parent, and out
+        os.write(write, " ".join(ids.new_id() for _ in range(5)).encode())
+        os._exit(0)
+    os.close(write)
+    parent = {ids.new_id() for _ in range(5)}
+    with os.fdopen(read) as pipe:
+        child = set(pipe.read().split())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert len(child) == 5 and not parent & child
 
 
 def test_uuid7_is_unique_across_threads() -> None:
