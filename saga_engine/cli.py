@@ -170,8 +170,8 @@ def register_relay(commands: Any) -> None:
         default="auto",
         choices=["auto", "mark", "archive", "delete"],
         help="move acknowledged rows to outbox_history (archive), keep them as SENT until "
-        "cleanup (mark), or delete them at once; auto (the default) archives where the "
-        "database can, else marks",
+        "cleanup (mark), or delete them at once; auto (the default) archives on PostgreSQL "
+        "and marks elsewhere",
     )
     parser.set_defaults(run=run_relay)
 
@@ -256,8 +256,8 @@ def add_retention(parser: argparse.ArgumentParser) -> None:
         "--history-retention-days",
         type=float,
         metavar="DAYS",
-        help="rows in outbox_history, archived by relays (by default where the database "
-        f"can) or by cleanup --archive, counted from their archiving (default {RETENTION_DAYS:g})",
+        help="rows in outbox_history, archived by relays (by default on PostgreSQL) or by "
+        f"cleanup --archive, counted from their archiving (default {RETENTION_DAYS:g})",
     )
     group.add_argument("--keep-history", action="store_true", help="leave outbox_history alone")
     group.add_argument(

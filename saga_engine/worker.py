@@ -98,7 +98,7 @@ class WorkerOptions:
     #: them until an operator deletes them.
     dead_letter_retention: timedelta | None = None
     #: Rows in ``outbox_history`` (archived by the relays, as ``RelayConfig.on_sent`` does by
-    #: default where the database can, or by cleanup's archive) archived longer ago than this are
+    #: default on PostgreSQL, or by cleanup's archive) archived longer ago than this are
     #: deleted by the cleanup role; None keeps them.
     history_retention: timedelta | None = cleanup.HISTORY_RETENTION
     relay_wake_interval: float = RELAY_WAKE_INTERVAL

@@ -78,7 +78,7 @@ def _relay(sub: Any) -> None:
         default="auto",
         choices=ON_SENT,
         help="what the relay does with acknowledged rows (RelayConfig.on_sent; default auto: "
-        "archive where the database can, else mark)",
+        "archive on PostgreSQL, else mark)",
     )
     _setup_sql(parser)
     parser.set_defaults(run=run_relay)

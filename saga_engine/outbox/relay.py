@@ -3,9 +3,9 @@
 One pass (:meth:`Relay.run_once`) is: claim up to ``batch_size`` rows (see ``claim``), publish them
 (one broker round trip per message of its busiest key: see ``_publish_in_key_order``), settle every
 acknowledged row (move them all to ``outbox_history`` with one statement, ``on_sent="archive"``,
-the default where the database allows it; or mark them SENT with one UPDATE, ``"mark"``; or delete
-them with one DELETE, ``"delete"``), and give each failed row ``retry_count + 1`` and an
-exponential, jittered ``next_retry_at`` (FAILED past ``max_retries``). Nothing is settled before
+the default on PostgreSQL; or mark them SENT with one UPDATE, ``"mark"``, the default elsewhere;
+or delete them with one DELETE, ``"delete"``), and give each failed row ``retry_count + 1`` and
+an exponential, jittered ``next_retry_at`` (FAILED past ``max_retries``). Nothing is settled before
 the broker acknowledged it, so a relay killed at any point loses nothing: whatever it had in flight
 is published again and the consumers' inbox absorbs the duplicate.
 
@@ -41,8 +41,8 @@ from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 log = logging.getLogger(__name__)
 t = schema.outbox
 
-#: ``RelayConfig.on_sent``: archive where the database can, else mark (``auto``); keep acknowledged
-#: rows as SENT, move them to ``outbox_history``, or delete them.
+#: ``RelayConfig.on_sent``: archive on PostgreSQL, else mark (``auto``); keep acknowledged rows as
+#: SENT, move them to ``outbox_history``, or delete them.
 ON_SENT = ("auto", "mark", "archive", "delete")
 
 
@@ -65,8 +65,8 @@ class RelayConfig:
     #: after the retention; ``"archive"`` moves it, SENT, to ``outbox_history`` at once, which
     #: costs the database half as much and keeps the outbox to undelivered rows; ``"delete"``
     #: deletes it at once (the article's "or delete the record directly"), which costs a sixth
-    #: as much and keeps no history. ``"auto"`` archives where the database never hands out an
-    #: id again (PostgreSQL, MariaDB, MySQL 8) and marks elsewhere (docs/outbox.md).
+    #: as much and keeps no history. ``"auto"`` archives on PostgreSQL and marks elsewhere
+    #: (``on_sent_for`` says why; docs/outbox.md).
     on_sent: str = "auto"
 
     def __post_init__(self) -> None:
@@ -553,16 +553,22 @@ def _archive(
 
 
 def on_sent_for(engine: Engine, on_sent: str) -> str:
-    """``on_sent`` for relays on ``engine``: ``"auto"`` becomes ``"archive"`` where the database
-    can archive and ``"mark"`` where it cannot; an explicit ``"archive"`` there is refused."""
-    if on_sent not in ("auto", "archive"):
-        return on_sent
-    refusal = archive_refusal(engine)
-    if refusal is None:
-        return "archive"
+    """``on_sent`` for relays on ``engine``: ``"auto"`` becomes ``"archive"`` on PostgreSQL and
+    ``"mark"`` elsewhere; an explicit ``"archive"`` where it cannot work is refused.
+
+    Not ``"archive"`` on MySQL and MariaDB, which could: there the planner, told by statistics of
+    a nearly empty outbox, may read a ``DELETE`` of a batch's ids as a scan of the primary key,
+    and a DELETE waits for the lock of every row it reads, so two relays each waiting for the
+    other's batch deadlock (four relay processes did, in every run). The pass rolls back and its
+    batch is published again. The mark is an UPDATE, which reads past such locks.
+    """
     if on_sent == "auto":
-        return "mark"
-    raise errors.ConfigurationError(refusal)
+        return "archive" if engine.dialect.name == "postgresql" else "mark"
+    if on_sent == "archive":
+        refusal = archive_refusal(engine)
+        if refusal is not None:
+            raise errors.ConfigurationError(refusal)
+    return on_sent
 
 
 def archive_refusal(engine: Engine) -> str | None:

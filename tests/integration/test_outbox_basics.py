@@ -36,7 +36,7 @@ def setup(url: str, engines: list[object]) -> sa.Engine:
 
 def written_rows(engine: sa.Engine) -> list[sa.Row[Any]]:
     """Every message written, in id order: the outbox's rows, and those the relay moved to the
-    history (``on_sent="auto"`` archives on PostgreSQL and MariaDB, and marks on SQLite)."""
+    history (``on_sent="auto"`` archives on PostgreSQL and marks elsewhere)."""
     with engine.connect() as conn:
         rows = [
             *conn.execute(sa.select(*schema.outbox.c)),

@@ -162,7 +162,7 @@ def write(engine: sa.Engine, envelopes: Iterable[Envelope], clock: Any = None) -
 
 def outbox_rows(engine: sa.Engine) -> dict[str, sa.Row[Any]]:
     """Every message written, by id: the outbox's rows, and those the relays moved to the history
-    (``on_sent="auto"`` archives on PostgreSQL and MariaDB, and marks on SQLite)."""
+    (``on_sent="auto"`` archives on PostgreSQL and marks elsewhere)."""
     rows: dict[str, sa.Row[Any]] = {}
     with engine.connect() as conn:
         for table in (schema.outbox_history, t):

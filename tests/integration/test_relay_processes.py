@@ -139,7 +139,7 @@ def stop_all(procs: list[Proc]) -> list[int]:
 
 def sent(engine: sa.Engine) -> int:
     """Rows delivered: SENT in the outbox, or moved to the history (the default on_sent "auto"
-    archives on PostgreSQL and MariaDB)."""
+    archives on PostgreSQL)."""
     with engine.connect() as conn:
         return sum(
             int(conn.scalar(sa.select(sa.func.count()).select_from(table).where(where)) or 0)

@@ -316,16 +316,19 @@ def test_on_sent_archive_of_a_leased_batch_spares_rows_another_relay_took(
     assert archived == [claim.rows[0].id]
 
 
-def test_relays_archive_by_default_where_the_database_can(server_engine: sa.Engine) -> None:
+def test_relays_archive_by_default_on_postgresql_and_mark_elsewhere(
+    server_engine: sa.Engine,
+) -> None:
     engine = server_engine
     write(engine, [envelope("a", 0), envelope("a", 1), envelope("b")])
     relay = Relay(engine, MemoryTransport(), RelayConfig(), clock=ClockDouble(LATER))
-    assert (RelayConfig().on_sent, relay.on_sent) == ("auto", "archive")
+    archives = is_postgres(engine)  # on MariaDB a DELETE of a batch may scan: see on_sent_for
+    assert (RelayConfig().on_sent, relay.on_sent) == ("auto", "archive" if archives else "mark")
     assert relay.run_once().published == 3
     with engine.connect() as conn:
-        assert conn.scalar(sa.select(sa.func.count()).select_from(t)) == 0
+        left = conn.execute(sa.select(t.c.status)).scalars().all()
         archived = conn.execute(sa.select(schema.outbox_history.c.status)).scalars().all()
-    assert archived == [SENT] * 3
+    assert (left, archived) == (([], [SENT] * 3) if archives else ([SENT] * 3, []))
 
 
 @pytest.mark.sqlite
