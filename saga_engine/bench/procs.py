@@ -322,8 +322,7 @@ def claim_mark_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
             ).all()
             if rows:
                 params = {"ids": [row.id for row in rows], "now": now, "token": None}
-                for statement in mark_statements(conn, owned=False).done(on_sent):
-                    conn.execute(statement, params)
+                mark_statements(conn, owned=False).settle(conn, on_sent, params)
         if rows:
             passes.append((clock.SYSTEM.now().isoformat(), len(rows)))
         done += len(rows)

@@ -239,19 +239,20 @@ def update_by_primary_key(update: sa.Update) -> sa.Update:
 
 
 def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
-    """``DELETE`` of the outbox rows ``:ids`` (those leased to ``:token`` if ``owned``), through
-    the primary key: for MySQL and MariaDB, whose single-table ``DELETE`` takes no index hint.
+    """``DELETE`` of the outbox row ``:id`` (if it is still leased to ``:token``, when
+    ``owned``), for MySQL and MariaDB: run once per row, as an executemany.
 
-    A lookup in the non-unique index on ``id`` also reads the entry after each id, and a DELETE,
-    unlike an UPDATE, waits for that row's lock, even under READ COMMITTED: a row another relay
-    has claimed, while that relay waits for one of ours. Four relays archiving on MariaDB
-    deadlocked so. Only the multi-table form of ``DELETE`` takes the hint.
+    A DELETE waits for the lock of every row it reads, even under READ COMMITTED (an UPDATE reads
+    past a locked row that does not match). A DELETE of a list of ids read more than its rows:
+    through the non-unique index on ``id`` it read the entry after each id, and with ``FORCE
+    INDEX (PRIMARY)`` (the multi-table form, the only DELETE that takes a hint), while the
+    statistics said the outbox was empty, it scanned the primary key. Either way it waited for a
+    row another relay had claimed while that relay waited for one of ours: four relays archiving
+    on MariaDB deadlocked in every run. A DELETE by primary key equality reads its row alone,
+    whatever the statistics say.
     """
-    name = t.name
-    sql = f"DELETE {name} FROM {name} FORCE INDEX (PRIMARY) WHERE {name}.id IN :ids"
-    if owned:
-        sql += f" AND {name}.claimed_by = :token"
-    return sa.text(sql).bindparams(sa.bindparam("ids", expanding=True))
+    sql = f"DELETE FROM {t.name} WHERE id = :id"
+    return sa.text(sql + " AND claimed_by = :token" if owned else sql)
 
 
 _ARRAY_STATEMENTS = Statements.build(array=True)

@@ -66,7 +66,7 @@ def cleanup(
             return {}
         # Deleted by id: DELETE ... LIMIT is MySQL-only, and the ids bound the batch everywhere.
         archived = _archive(conn, ids, now) if archive else 0
-        return {"deleted": conn.execute(_delete(conn), {"ids": ids}).rowcount, "archived": archived}
+        return {"deleted": _delete(conn, ids), "archived": archived}
 
     totals, batches = db.delete_in_batches(engine, batch, max_batches)
     return CleanupResult(totals["deleted"], totals["archived"], batches)
@@ -161,9 +161,11 @@ def prune_history(
     return totals["deleted"]
 
 
-def _delete(conn: sa.Connection) -> sa.Executable:
-    # On MySQL and MariaDB through the primary key, or it may lock PENDING rows a relay holds.
-    return _MYSQL_DELETE if db.dialect_name(conn) == "mysql" else _DELETE
+def _delete(conn: sa.Connection, ids: Sequence[int]) -> int:
+    # On MySQL and MariaDB one row at a time, or it may wait for PENDING rows a relay holds.
+    if db.dialect_name(conn) == "mysql":
+        return conn.execute(_MYSQL_DELETE, [{"id": row_id} for row_id in ids]).rowcount
+    return conn.execute(_DELETE, {"ids": ids}).rowcount
 
 
 _DELETE = sa.delete(t).where(t.c.id.in_(sa.bindparam("ids", expanding=True)))

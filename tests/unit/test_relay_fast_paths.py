@@ -184,24 +184,23 @@ def test_locking_reads_go_through_the_primary_key_on_mysql() -> None:
 
 
 @pytest.mark.parametrize("owned", [False, True])
-def test_deletes_of_acknowledged_rows_go_through_the_primary_key_on_mysql(owned: bool) -> None:
-    """Through the plain index on id, a DELETE waits for the row after each id: deadlocks."""
-    mine = " AND outbox_messages.claimed_by = %s" if owned else ""
+def test_deletes_of_acknowledged_rows_take_one_row_by_primary_key_on_mysql(owned: bool) -> None:
+    """A DELETE of a list of ids may read rows other relays hold, and wait for them: deadlocks."""
+    mine = " AND claimed_by = %s" if owned else ""
     marks = relays._MARKS["mysql", owned]
-    for statement in (marks.deleted, marks.archived[-1]):
-        assert sql_of(statement, mysql.pymysql.dialect()) == (
-            "DELETE outbox_messages FROM outbox_messages FORCE INDEX (PRIMARY) "
-            f"WHERE outbox_messages.id IN (__[POSTCOMPILE_ids]){mine}"
-        )
-    assert "FORCE" not in sql_of(relays._MARKS["other", owned].deleted, sqlite.dialect())
+    assert marks.delete_per_row and marks.archived[-1] is marks.deleted
+    assert sql_of(marks.deleted, mysql.pymysql.dialect()) == (
+        f"DELETE FROM outbox_messages WHERE id = %s{mine}"
+    )
+    other = relays._MARKS["other", owned]
+    assert not other.delete_per_row and "IN (" in sql_of(other.deleted, sqlite.dialect())
 
 
-def test_cleanup_deletes_through_the_primary_key_on_mysql() -> None:
+def test_cleanup_deletes_one_row_by_primary_key_on_mysql() -> None:
     from saga_engine.outbox import cleanup
 
     assert sql_of(cleanup._MYSQL_DELETE, mysql.pymysql.dialect()) == (
-        "DELETE outbox_messages FROM outbox_messages FORCE INDEX (PRIMARY) "
-        "WHERE outbox_messages.id IN (__[POSTCOMPILE_ids])"
+        "DELETE FROM outbox_messages WHERE id = %s"
     )
 
 
