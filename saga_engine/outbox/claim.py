@@ -240,7 +240,13 @@ def update_by_primary_key(update: sa.Update) -> sa.Update:
 
 def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
     """``DELETE`` of the outbox row ``:id`` (if it is still leased to ``:token``, when
-    ``owned``), for MySQL and MariaDB: run once per row, as an executemany.
+    ``owned``), for MySQL and MariaDB: run once per row by :func:`delete_rows`."""
+    return _DELETE_ONE[owned]
+
+
+def delete_rows(conn: Connection, row_ids: Sequence[int], token: str | None = None) -> int:
+    """Delete the outbox rows ``row_ids`` (those still leased to ``token``, if one is given) one
+    statement per row, by primary key, as an executemany: for MySQL and MariaDB. How many went.
 
     A DELETE waits for the lock of every row it reads, even under READ COMMITTED (an UPDATE reads
     past a locked row that does not match). A DELETE of a list of ids read more than its rows:
@@ -251,8 +257,14 @@ def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
     on MariaDB deadlocked in every run. A DELETE by primary key equality reads its row alone,
     whatever the statistics say.
     """
-    sql = f"DELETE FROM {t.name} WHERE id = :id"
-    return sa.text(sql + " AND claimed_by = :token" if owned else sql)
+    rows = [{"id": row_id, "token": token} for row_id in row_ids]
+    return conn.execute(_DELETE_ONE[token is not None], rows).rowcount
+
+
+_DELETE_ONE = {
+    owned: sa.text(f"DELETE FROM {t.name} WHERE id = :id" + (" AND claimed_by = :token" * owned))
+    for owned in (False, True)
+}
 
 
 _ARRAY_STATEMENTS = Statements.build(array=True)

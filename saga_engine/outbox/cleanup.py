@@ -26,8 +26,9 @@ t = schema.outbox
 h = schema.outbox_history
 
 #: How long delivered messages are kept by default: as SENT rows in the outbox (relays with
-#: ``on_sent="mark"``), and in ``outbox_history`` (archived by relays, the default where the
-#: database can, or by ``cleanup(archive=True)``), counted from when they were archived.
+#: ``on_sent="mark"``, the default but on PostgreSQL), and in ``outbox_history`` (archived by
+#: relays, the default on PostgreSQL, or by ``cleanup(archive=True)``), counted from when they
+#: were archived.
 RETENTION = timedelta(days=7)
 HISTORY_RETENTION = RETENTION
 SENT = schema.OutboxStatus.SENT
@@ -164,12 +165,11 @@ def prune_history(
 def _delete(conn: sa.Connection, ids: Sequence[int]) -> int:
     # On MySQL and MariaDB one row at a time, or it may wait for PENDING rows a relay holds.
     if db.dialect_name(conn) == "mysql":
-        return conn.execute(_MYSQL_DELETE, [{"id": row_id} for row_id in ids]).rowcount
+        return claims.delete_rows(conn, ids)
     return conn.execute(_DELETE, {"ids": ids}).rowcount
 
 
 _DELETE = sa.delete(t).where(t.c.id.in_(sa.bindparam("ids", expanding=True)))
-_MYSQL_DELETE = claims.delete_by_primary_key(owned=False)
 
 
 def _archive(conn: sa.Connection, ids: Sequence[int], now: datetime) -> int:

@@ -478,9 +478,7 @@ class MarkStatements:
         settled = 0
         for statement in self.done(on_sent):
             if statement is self.deleted and self.delete_per_row:
-                token = params["token"]
-                rows = [{"id": row_id, "token": token} for row_id in params["ids"]]
-                settled = conn.execute(statement, rows).rowcount
+                settled = claims.delete_rows(conn, params["ids"], params["token"])
             else:
                 settled = conn.execute(statement, params).rowcount
         return settled

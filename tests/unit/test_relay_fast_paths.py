@@ -199,9 +199,22 @@ def test_deletes_of_acknowledged_rows_take_one_row_by_primary_key_on_mysql(owned
 def test_cleanup_deletes_one_row_by_primary_key_on_mysql() -> None:
     from saga_engine.outbox import cleanup
 
-    assert sql_of(cleanup._MYSQL_DELETE, mysql.pymysql.dialect()) == (
+    assert sql_of(claims.delete_by_primary_key(owned=False), mysql.pymysql.dialect()) == (
         "DELETE FROM outbox_messages WHERE id = %s"
     )
+
+    class ConnectionDouble:  # records what cleanup sends to a MariaDB connection
+        dialect = mysql.pymysql.dialect()
+        calls: list[tuple[object, object]] = []
+
+        def execute(self, statement: object, params: list[dict[str, object]]) -> Any:
+            self.calls.append((statement, params))
+            return type("Result", (), {"rowcount": len(params)})()
+
+    conn = ConnectionDouble()
+    assert cleanup._delete(conn, [7, 9]) == 2  # type: ignore[arg-type]
+    rows = [{"id": 7, "token": None}, {"id": 9, "token": None}]
+    assert conn.calls == [(claims.delete_by_primary_key(owned=False), rows)]  # one executemany
 
 
 def test_the_claim_compares_status_with_the_partial_index_literal() -> None:
