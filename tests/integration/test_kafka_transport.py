@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import signal
 import socket
 import threading
 import time
@@ -23,6 +25,7 @@ from saga_engine.testing.tansu import TEST_OPTIONS, TansuBroker, free_port
 from saga_engine.transport import factory
 from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage
 from saga_engine.transport.kafka import KafkaTransport
+from tests.support.proxy import TcpProxy, start_tansu_behind
 
 pytestmark = pytest.mark.kafka
 
@@ -344,6 +347,65 @@ def test_consumer_survives_a_broker_outage_and_commit_reports_it(
         assert time.monotonic() - started < 4.0
         consumer.release(received)
         consumer.close()
+    finally:
+        transport.close()
+        broker.stop()
+
+
+@broker_outage
+def test_connections_the_broker_dropped_while_idle_are_reopened_before_publishing(
+    kafka_url: str,  # only for its skip-or-fail when tansu is missing
+    topic: str,
+) -> None:
+    """A broker closes connections idle for longer than connections.max.idle.ms; the next
+    publish must not be the one that finds out (it would be reported unreachable)."""
+    with TcpProxy(target_port=free_port()) as proxy:
+        broker = start_tansu_behind(proxy)
+        transport = kafka(f"kafka://127.0.0.1:{proxy.port}?{TEST_OPTIONS}")
+        try:
+            transport.ensure_channels([topic])
+            first = messages(topic, ["order-1", "order-2"], 2)
+            assert all(r.ok for r in transport.publish(first, timeout=10))
+            connections = proxy.accepted
+
+            proxy.cut()  # every connection closed while idle
+            proxy.restore()
+            second = messages(topic, ["order-1", "order-2"], 2, start=2)
+            results = transport.publish(second, timeout=10)
+
+            assert all(r.ok for r in results), [r.error for r in results]
+            assert proxy.accepted > connections  # it did connect again
+            with transport.consumer(group(), [topic]) as consumer:
+                assert sorted(values(receive(consumer, 8))) == sorted(values(first + second))
+        finally:
+            transport.close()
+            broker.stop()
+
+
+@broker_outage
+def test_a_broker_that_stops_answering_is_reported_unreachable_at_the_deadline(
+    kafka_url: str,  # only for its skip-or-fail when tansu is missing
+    topic: str,
+) -> None:
+    broker = TansuBroker.start()
+    transport = kafka(broker.url)
+    try:
+        transport.ensure_channels([topic])
+        assert all(r.ok for r in transport.publish(messages(topic, ["order-1"], 2), timeout=10))
+
+        os.kill(broker.process.pid, signal.SIGSTOP)  # connected, and silent
+        try:
+            started = time.monotonic()
+            stalled = transport.publish(messages(topic, ["order-1"], 2, start=2), timeout=1.0)
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(broker.process.pid, signal.SIGCONT)
+
+        assert [(r.ok, r.unreachable) for r in stalled] == [(False, True)] * 2
+        assert all("publish timeout" in str(r.error) for r in stalled)
+        assert 0.9 < elapsed < 2.0
+        again = messages(topic, ["order-1"], 2, start=4)  # a new connection, once it answers
+        assert all(r.ok for r in transport.publish(again, timeout=10))
     finally:
         transport.close()
         broker.stop()

@@ -1,9 +1,10 @@
 """The batch producer's pure parts: the partitioner, the record batches, the record-size refusal,
-the ack log."""
+the ack log, and how a link tells an open idle connection from one the broker closed."""
 
 from __future__ import annotations
 
 import json
+import socket
 import warnings
 
 import pytest
@@ -15,6 +16,7 @@ from saga_engine.transport.kafka_batch import (
     MAX_BATCH_BYTES,
     MAX_RECORD_BYTES,
     _encode,
+    _open,
     _size_check,
     murmur2,
     partition_for,
@@ -144,3 +146,19 @@ def test_a_partition_over_the_batch_limit_is_split_where_the_builder_splits_it()
         ]
         assert [r.offset for r in records] == list(range(len(chunk.indexes)))
         assert all(r.value == value and r.timestamp == 1_700_000_000_000 for r in records)
+
+
+# -- idle connections ---------------------------------------------------------------------------
+
+
+def test_an_idle_connection_is_open_until_its_peer_closes_it_or_says_something_unasked() -> None:
+    ours, brokers = socket.socketpair()
+    with ours, brokers:
+        assert _open(ours)
+        assert _open(ours)  # looking did not consume anything
+        brokers.sendall(b"x")  # no request is in flight: bytes now mean a confused connection
+        assert not _open(ours)
+    closed, peer = socket.socketpair()
+    with closed:
+        peer.close()
+        assert not _open(closed)
