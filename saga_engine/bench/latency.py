@@ -5,7 +5,9 @@ outbox message) on an open-loop schedule of ``--rate`` messages per second, and 
 at which each commit returned. One relay process delivers them to Kafka; the latency of a message
 is its ``sent_at`` (stamped by the relay once the broker acknowledged the batch; the relay archives
 or marks as the engine does by default) minus its commit time. It runs twice: with NOTIFY wake-ups
-(PostgreSQL), and polling only, every ``--poll-interval``.
+(PostgreSQL), and polling only, every ``--poll-interval``. Each mode also says where the machine's
+CPU went per message: the writers, the relay, the broker (one this run started), and the rest
+(the database, if it runs here).
 
 Before that, the write overhead: the p50 of a business transaction that inserts one row, with and
 without ``OutboxWriter.add`` of one message (arms interleaved, no relay running).
@@ -14,6 +16,7 @@ without ``OutboxWriter.add`` of one message (arms interleaved, no relay running)
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from datetime import UTC, datetime
@@ -213,18 +216,22 @@ class Bench:
             writers.start()
             relay.go()
             cpu = env.MachineCpu()
+            broker_before = self.broker.cpu_seconds()
             writers.go()
             expected = o.writers * o.threads * (int(per_writer * o.seconds) // o.threads)
             writers.wait_progress(expected, 3 * o.seconds + 60)
             written = writers.finish()
             commits = [c for result in written for c in result["commits"]]
             relay.wait_progress(len(commits), 60)
-            busy = cpu.busy()
+            machine, busy = cpu.usage()
+            broker = self.broker.cpu_seconds() - broker_before
             (relayed,) = relay.finish()
         finally:
             relay.kill()
             writers.kill()
         self._relay_cost(key, relayed)
+        spent = Spent(sum(r["cpu_s"] for r in written), relayed["cpu_s"], broker, machine)
+        self._cpu_split(key, spent, len(commits))
         return self._latencies(key, commits, written, busy)
 
     def _relay_cost(self, key: str, relayed: dict[str, Any]) -> None:
@@ -239,6 +246,39 @@ class Bench:
             f"{key}_relay_cpu_ms_per_message",
             1000 * relayed["cpu_s"] / published if published else 0.0,
             "relay process CPU per message",
+            "ms",
+        )
+
+    def _cpu_split(self, key: str, spent: Spent, messages: int) -> None:
+        """Where the machine's CPU went while the mode ran, per message: the latency of a pass
+        follows how busy the machine is, and the writers (the business application) and the
+        database share it with the relay."""
+        report, per_message = self.report, 1000 / max(messages, 1)
+        report.figure(
+            f"{key}_writer_cpu_ms_per_message",
+            spent.writers * per_message,
+            "writer processes' CPU per message",
+            "ms",
+        )
+        known = spent.writers + spent.relay
+        if not math.isnan(spent.broker):
+            report.figure(
+                f"{key}_broker_cpu_ms_per_message",
+                spent.broker * per_message,
+                "broker CPU per message",
+                "ms",
+            )
+            known += spent.broker
+        report.figure(
+            f"{key}_machine_cpu_ms_per_message",
+            spent.machine * per_message,
+            "the machine's CPU per message",
+            "ms",
+        )
+        report.figure(
+            f"{key}_other_cpu_ms_per_message",
+            (spent.machine - known) * per_message,
+            "  the rest (the database, if it runs here)",
             "ms",
         )
 
@@ -280,6 +320,18 @@ class Bench:
         report.figure(f"{key}_not_sent", missing, "committed but not SENT")
         report.figure(f"{key}_machine_busy", 100 * busy, "machine CPU busy", "%")
         return missing == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Spent:
+    """CPU seconds spent while one mode ran, by whom."""
+
+    writers: float
+    relay: float
+    #: NaN for a broker the run did not start (its CPU is then part of the rest).
+    broker: float
+    #: Every process on the machine together, the database's included.
+    machine: float
 
 
 def _naive_utc(epoch: float) -> datetime:

@@ -422,11 +422,13 @@ def writer_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     db.check_connection(engine)
     streams = [_Stream(spec, ch, engine, i, threads) for i in range(threads)]
     ready()
+    cpu_before = own_cpu_seconds()
     workers = [threading.Thread(target=stream.run) for stream in streams]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
+    cpu = own_cpu_seconds() - cpu_before
     engine.dispose()
     errors_ = [stream.error for stream in streams if stream.error]
     if errors_:
@@ -434,6 +436,7 @@ def writer_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     return {
         "commits": [c for stream in streams for c in stream.commits],
         "behind_s": max(stream.behind for stream in streams),
+        "cpu_s": cpu,
     }
 
 

@@ -155,6 +155,12 @@ def test_bench_latency_delivers_every_message_in_both_modes(
         assert 1 <= passes <= 200
         assert figures[f"{mode}_messages_per_pass"] * passes == pytest.approx(200, rel=0.01)
         assert figures[f"{mode}_relay_cpu_ms_per_message"] > 0
+        assert figures[f"{mode}_writer_cpu_ms_per_message"] > 0
+        split = ("writer", "relay", "other")  # the broker is the caller's (--broker kafka://)
+        assert f"{mode}_broker_cpu_ms_per_message" not in figures
+        assert sum(figures[f"{mode}_{who}_cpu_ms_per_message"] for who in split) == pytest.approx(
+            figures[f"{mode}_machine_cpu_ms_per_message"], abs=0.002
+        )
         assert (
             0 < figures[f"{mode}_p50_ms"] <= figures[f"{mode}_p99_ms"] <= figures[f"{mode}_max_ms"]
         )
