@@ -17,6 +17,7 @@ from saga_engine.transport.kafka_batch import (
     MAX_RECORD_BYTES,
     _encode,
     _open,
+    _partition_index,
     _size_check,
     murmur2,
     partition_for,
@@ -48,6 +49,15 @@ def test_partition_index_is_in_range_and_follows_the_default_partitioner(
     index = partition_for(key, count)
     assert 0 <= index < count
     assert index == (kafka_murmur2(key) & 0x7FFFFFFF) % count
+
+
+@given(st.text(max_size=40), st.integers(min_value=1, max_value=64))
+def test_the_remembered_partition_of_a_key_is_the_partitioners_every_time(
+    key: str, count: int
+) -> None:
+    expected = (kafka_murmur2(key.encode()) & 0x7FFFFFFF) % count
+    assert _partition_index(key, count) == expected
+    assert _partition_index(key, count) == expected  # from the cache this time
 
 
 def test_a_record_larger_than_a_produce_request_is_refused_before_sending() -> None:
