@@ -429,6 +429,28 @@ def test_a_relays_own_pool_needs_no_set_local_for_a_large_claim(pg_url: str) -> 
 
 
 @pytest.mark.postgres
+def test_only_a_relays_own_sessions_commit_without_waiting_for_the_disk(pg_url: str) -> None:
+    """A relay's commit records deliveries the broker already holds: lost in a server crash, the
+    rows are sent again. Business transactions, and every other engine, keep waiting."""
+    relay = Relay.for_database(
+        pg_url, MemoryTransport(), RelayConfig(pool_size=1), clock=ClockDouble(LATER)
+    )
+    plain = db.create_engine(pg_url, pool_size=1)
+    try:
+        [sent] = write(plain, [envelope("order-1")])
+        assert relay.run_once().published == 1
+        with relay.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "off"
+        with plain.connect() as conn:
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar() == "on"
+            history = sa.select(schema.outbox_history.c.message_id)
+            assert conn.scalars(history).all() == [sent.message_id]  # committed all the same
+    finally:
+        plain.dispose()
+        relay.engine.dispose()
+
+
+@pytest.mark.postgres
 def test_a_relays_own_pool_flags_the_dead_entries_a_bitmap_scan_visits_on_every_claim(
     pg_url: str,
 ) -> None:
