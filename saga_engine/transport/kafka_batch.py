@@ -265,6 +265,9 @@ class BatchProducer:
 
     def _send(self, node: Any, chunks: list[_Chunk], deadline: float) -> _Outcome | None:
         """Write the produce request of ``chunks`` to ``node``; why not, if it could not be."""
+        link = self._link(node)
+        if link is None:
+            return _Outcome.down(f"no address for broker {node} in the cluster's metadata")
         topic_data: dict[str, list[Any]] = {}
         for chunk in chunks:
             partition = ProduceRequest.TopicProduceData.PartitionProduceData(
@@ -281,9 +284,6 @@ class BatchProducer:
             ],
         )
         request.API_VERSION = self._produce_version
-        link = self._link(node)
-        if link is None:
-            return _Outcome.down(f"no address for broker {node} in the cluster's metadata")
         try:
             link.send(request, deadline)
         except (OSError, kafka_errors.KafkaError) as exc:
