@@ -74,6 +74,13 @@ FAILED_ONLY: dict[str, Any] = {
     "sqlite_where": sa.text("status = 2"),
 }
 
+#: The index of deadlines holds the sagas that have one (waiting on a timeout or a retry back-off)
+#: only, where the database has partial indexes.
+WITH_DEADLINE: dict[str, Any] = {
+    "postgresql_where": sa.text("deadline IS NOT NULL"),
+    "sqlite_where": sa.text("deadline IS NOT NULL"),
+}
+
 #: The saga index by age holds ended sagas only, where the database has partial indexes.
 ENDED_ONLY: dict[str, Any] = {
     "postgresql_where": sa.text("ended_at IS NOT NULL"),
@@ -193,7 +200,10 @@ saga_instances = sa.Table(
     sa.Column("created_at", Timestamp, nullable=False),
     sa.Column("updated_at", Timestamp, nullable=False),
     sa.Column("ended_at", Timestamp),
-    sa.Index(None, "deadline"),
+    # The deadlines role asks for passed deadlines several times a second. Partial where the
+    # database allows it: most sagas have no deadline and ended ones never do, so the index stays
+    # the size of the sagas that wait on a timer, and a step that sets none writes no entry.
+    sa.Index(None, "deadline", **WITH_DEADLINE),
     sa.Index(None, "saga_type", "state"),
     # Pruning finds the longest ended (saga_engine.store.prune_ended). Partial where the database
     # allows it: every step's UPDATE changes the state, so it is never a HOT update, and a full

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -326,3 +327,40 @@ def test_a_local_step_that_crashes_on_retry_fails_its_saga_not_the_worker(
         assert "bug in the step" in (found.last_error or "")
     finally:
         worker.stop()
+
+
+def test_the_deadline_index_holds_only_the_sagas_that_have_a_deadline(pg_url: str) -> None:
+    """Every step rewrites its saga's row; most sagas have no deadline and ended ones never do. The
+    index that ``store.due`` reads (several times a second in every worker) takes entries for the
+    sagas that wait on a timer only, and the query can still use it."""
+    engine = db.create_engine(pg_url)
+    sent: list[tuple[str, Any]] = []
+    now = ManualClock().now()
+    try:
+        with engine.begin() as conn:
+            for i in range(5000):
+                waiting = i % 500 == 0  # ten sagas wait on a timer, one of them past it
+                deadline = now + timedelta(seconds=-1 if i == 0 else 60) if waiting else None
+                saga = store.SagaInstance(
+                    id=f"s{i}", saga_type="t", definition_version=1, state="a", data={}
+                )
+                saga.wait_until(deadline, "timeout" if waiting else None)
+                store.insert(conn, saga, now)
+            conn.exec_driver_sql("ANALYZE saga_instances")
+            pages = conn.scalar(sa.text("SELECT pg_relation_size('ix_saga_instances_deadline')"))
+        assert pages == 2 * 8192  # the metapage and one leaf; an entry for every saga took 7 pages
+        sa.event.listen(engine, "before_cursor_execute", lambda *a: sent.append((a[2], a[3])))
+        with engine.begin() as conn:
+            assert store.due(conn, now, 100) == ["s0"]
+            [(sql, params)] = sent
+            [[plan]] = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {sql}", params).all()
+        scans = [n for n in plan_nodes(plan[0]["Plan"]) if "Scan" in n["Node Type"]]
+        assert [n.get("Index Name") for n in scans] == ["ix_saga_instances_deadline"]
+    finally:
+        engine.dispose()
+
+
+def plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from plan_nodes(child)

@@ -267,6 +267,33 @@ def test_postgres_notify_triggers_equal_those_of_the_schema(
 
 
 @pytest.mark.postgres
+def test_postgres_indexes_equal_those_of_the_schema(
+    empty_pg_url: str, tmp_path: Path, engine_of: Any
+) -> None:
+    """Index by index, with the ``WHERE`` of the partial ones, which Alembic's comparison above
+    does not look at."""
+    migrate.upgrade(empty_pg_url)
+    migrated = index_definitions(engine_of(empty_pg_url))
+
+    assert "ix_saga_instances_deadline" in migrated
+    assert migrated["ix_saga_instances_deadline"].endswith("WHERE (deadline IS NOT NULL)")
+    with databases.fresh_database("postgres", tmp_path, create_schema=True) as created_url:
+        created = index_definitions(engine_of(created_url))
+    created.pop(f"{migrate.VERSION_TABLE}_pkc", None)  # the version table is the migrations' own
+    migrated.pop(f"{migrate.VERSION_TABLE}_pkc")
+    assert migrated == created
+
+
+def index_definitions(engine: sa.Engine) -> dict[str, str]:
+    """Index name -> its ``CREATE INDEX`` statement, for the public schema."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'")
+        ).all()
+    return {name: definition for name, definition in rows}
+
+
+@pytest.mark.postgres
 def test_postgres_trigger_notifies_on_insert(empty_pg_url: str, engine_of: Any) -> None:
     import psycopg
 
