@@ -50,15 +50,31 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _relay(sub: Any) -> None:
     parser = sub.add_parser("relay", help="outbox -> Kafka throughput vs raw producer and database")
     _common(parser)
-    parser.add_argument("--messages", type=int, default=30_000)
-    parser.add_argument("--relays", type=int, default=2, help="relay processes (K)")
-    parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--per-transaction", type=int, default=10, help="messages per write")
     parser.add_argument(
-        "--per-key", type=int, default=1, help="consecutive messages sharing a partition key"
+        "--messages", type=int, default=30_000, help="messages per round (default 30,000)"
     )
-    parser.add_argument("--payload-bytes", type=int, default=200)
-    parser.add_argument("--partitions", type=int, default=8)
+    parser.add_argument("--relays", type=int, default=2, help="relay processes (K, default 2)")
+    parser.add_argument(
+        "--batch-size", type=int, default=500, help="rows a relay claims per pass (default 500)"
+    )
+    parser.add_argument(
+        "--per-transaction", type=int, default=10, help="messages per write (default 10)"
+    )
+    parser.add_argument(
+        "--per-key",
+        type=int,
+        default=1,
+        help="consecutive messages sharing a partition key (default 1)",
+    )
+    parser.add_argument(
+        "--payload-bytes",
+        type=int,
+        default=200,
+        help="size of a message's JSON payload (default 200)",
+    )
+    parser.add_argument(
+        "--partitions", type=int, default=8, help="partitions of the topic (default 8)"
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -120,9 +136,14 @@ def run_relay(args: argparse.Namespace) -> int:
 def _saga(sub: Any) -> None:
     parser = sub.add_parser("saga", help="the order saga on K workers (and Temporal, the peer)")
     _common(parser)
-    parser.add_argument("--sagas", type=int, default=1000)
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (K)")
-    parser.add_argument("--compensate", type=float, default=0.1, help="share that compensates")
+    parser.add_argument("--sagas", type=int, default=1000, help="orders placed (default 1,000)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (K, default 2)")
+    parser.add_argument(
+        "--compensate",
+        type=float,
+        default=0.1,
+        help="share of the orders declined at payment, which compensate (default 0.1)",
+    )
     parser.add_argument(
         "--rate",
         type=float,
@@ -181,13 +202,28 @@ def run_saga(args: argparse.Namespace) -> int:
 def _latency(sub: Any) -> None:
     parser = sub.add_parser("latency", help="commit -> ack at a fixed rate; NOTIFY vs polling")
     _common(parser)
-    parser.add_argument("--rate", type=float, default=1000.0, help="messages offered per second")
-    parser.add_argument("--seconds", type=float, default=10.0, help="per mode")
-    parser.add_argument("--writers", type=int, default=2, help="writer processes")
-    parser.add_argument("--threads", type=int, default=4, help="writer threads per process")
-    parser.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS")
     parser.add_argument(
-        "--overhead-samples", type=int, default=2000, help="transactions per write-overhead arm"
+        "--rate", type=float, default=1000.0, help="messages offered per second (default 1,000)"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, help="seconds of each mode (default 10)"
+    )
+    parser.add_argument("--writers", type=int, default=2, help="writer processes (default 2)")
+    parser.add_argument(
+        "--threads", type=int, default=4, help="writer threads per process (default 4)"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.5,
+        metavar="SECONDS",
+        help="the relay's poll interval in both modes (default 0.5)",
+    )
+    parser.add_argument(
+        "--overhead-samples",
+        type=int,
+        default=2000,
+        help="transactions per write-overhead arm (default 2,000)",
     )
     _setup_sql(parser)
     parser.set_defaults(run=run_latency)
@@ -214,9 +250,22 @@ def run_latency(args: argparse.Namespace) -> int:
 def _memory(sub: Any) -> None:
     parser = sub.add_parser("memory", help="RSS of a worker holding N in-flight sagas")
     _common(parser)
-    parser.add_argument("--sagas", type=int, default=10_000)
-    parser.add_argument("--app", default="sagas.app:app", metavar="MODULE:OBJECT")
-    parser.add_argument("--settle", type=float, default=5.0, metavar="SECONDS")
+    parser.add_argument(
+        "--sagas", type=int, default=10_000, help="sagas held in flight (default 10,000)"
+    )
+    parser.add_argument(
+        "--app",
+        default="sagas.app:app",
+        metavar="MODULE:OBJECT",
+        help="the worker's app (default sagas.app:app)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long RSS is sampled after the last command was sent (default 5)",
+    )
     parser.set_defaults(run=run_memory)
 
 
@@ -244,8 +293,15 @@ def _pass(sub: Any) -> None:
         metavar="N[,N...]",
         help="rows per pass, one run of passes for each (default 1,15,300)",
     )
-    parser.add_argument("--passes", type=int, default=200, help="timed passes per size")
-    parser.add_argument("--on-sent", default="auto", choices=ON_SENT)
+    parser.add_argument(
+        "--passes", type=int, default=200, help="timed passes per size (default 200)"
+    )
+    parser.add_argument(
+        "--on-sent",
+        default="auto",
+        choices=ON_SENT,
+        help="what the relay does with acknowledged rows (default auto, as in bench relay)",
+    )
     parser.set_defaults(run=run_pass)
 
 
