@@ -175,6 +175,7 @@ def _saga(sub: Any) -> None:
         metavar="PATH",
         help="run this peer script (args: N host:port) instead of saga_engine.bench.temporal_peer",
     )
+    _setup_sql(parser)
     parser.set_defaults(run=run_saga)
 
 
@@ -195,6 +196,7 @@ def run_saga(args: argparse.Namespace) -> int:
         peer_sagas=args.peer_sagas,
         peer_script=args.peer_script,
         keep_db=args.keep_db,
+        setup_sql=tuple(args.setup_sql),
     )
     return _run("saga", args, lambda report: saga.run(options, report))
 

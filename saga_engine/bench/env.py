@@ -88,6 +88,21 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def run_setup_sql(engine: sa.Engine, statements: tuple[str, ...], note: Any) -> None:
+    """Run each ``--setup-sql`` statement in a transaction of its own, telling ``note`` first.
+
+    Raises :class:`errors.ConfigurationError` for a statement the database refuses."""
+    for statement in statements:
+        note(f"setup SQL: {statement}")
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.text(statement))
+        except sa.exc.DBAPIError as error:
+            raise errors.ConfigurationError(
+                f"--setup-sql {statement!r} failed: {_first_line(error.orig or error)}"
+            ) from None
+
+
 def empty_outbox(engine: sa.Engine) -> None:
     """Delete every outbox row and vacuum the table: a phase starts from an empty outbox."""
     with engine.begin() as conn:

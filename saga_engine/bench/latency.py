@@ -79,10 +79,7 @@ class Bench:
     def run(self) -> bool:
         o, report = self.o, self.report
         workload.metadata.create_all(self.engine)
-        for statement in o.setup_sql:
-            report.note(f"setup SQL: {statement}")
-            with self.engine.begin() as conn:
-                conn.execute(sa.text(statement))
+        env.run_setup_sql(self.engine, o.setup_sql, report.note)
         self._create_topic()
         report.section(
             f"latency benchmark: {o.rate:,.0f} msg/s offered for {o.seconds:g} s per mode"

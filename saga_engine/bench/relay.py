@@ -261,10 +261,7 @@ class Bench:
             rows = conn.execute(sa.select(*_row_columns()).order_by(t.c.id).limit(1000)).all()
         sizes = [len(to_outgoing(row).value) for row in rows]
         report.figure("wire_bytes", sum(sizes) / len(sizes), "mean message size on the wire", "B")
-        for statement in o.setup_sql:
-            report.note(f"setup SQL: {statement}")
-            with self.engine.begin() as conn:
-                conn.execute(sa.text(statement))
+        env.run_setup_sql(self.engine, o.setup_sql, report.note)
         with self.engine.begin() as conn:
             conn.execute(sa.text(f"CREATE TABLE {COPY} AS SELECT * FROM {t.name}"))
         env.vacuum(self.engine, t.name)

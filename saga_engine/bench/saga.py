@@ -66,6 +66,7 @@ class Options:
     placers: int = 8
     timeout: float = 300.0
     keep_db: bool = False
+    setup_sql: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.sagas, self.workers, self.peer_sagas, self.placers) < 1:
@@ -142,6 +143,7 @@ class Bench:
             report.figure("offered_rate", o.rate, "orders placed per second", "sagas/s")
         self.app.create_tables(self.engine)
         self.module.seed(self.engine, orders=o.sagas + 2 * WARMUP_SAGAS)
+        env.run_setup_sql(self.engine, o.setup_sql, report.note)
         with workers(self.url, self.broker.url, o.app, o.workers) as (procs, logs):
             self.logs = logs
             self._warm_up()

@@ -74,20 +74,22 @@ def test_bench_rejects_a_broker_it_cannot_measure(pg_url: str, tmp_path: Path) -
     assert result.stderr.strip().startswith("saga-engine: error: ")
 
 
-def small_saga_run(cwd: Path, db_url: str, kafka_url: str, *options: str) -> dict[str, Any]:
-    """``bench saga`` of 20 sagas on one worker with ``options``: its JSON figures, once it
-    exited 0."""
+def small_saga_run(
+    cwd: Path, db_url: str, kafka_url: str, *options: str
+) -> tuple[dict[str, Any], str]:
+    """``bench saga`` of 20 sagas on one worker with ``options``: its JSON figures and its whole
+    output, once it exited 0."""
     sizes = ["--sagas", "20", "--workers", "1"]
     result = bench(cwd, "saga", "--db", db_url, "--broker", kafka_url, *sizes, *options, "--json")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     figures: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return figures
+    return figures, result.stdout
 
 
 def test_bench_saga_at_an_offered_rate_ends_every_saga(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
-    figures = small_saga_run(tmp_path, pg_url, kafka_url, "--rate", "10")
+    figures, _ = small_saga_run(tmp_path, pg_url, kafka_url, "--rate", "10")
     assert figures["offered_rate"] == 10
     assert figures["placers"] == 1  # a schedule is kept by one session
     assert figures["completed"] + figures["compensated"] == 20
@@ -100,7 +102,11 @@ def test_bench_saga_at_an_offered_rate_ends_every_saga(
 def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
-    figures = small_saga_run(tmp_path, pg_url, kafka_url, "--saga", "outline")
+    setup = "ALTER TABLE saga_instances SET (fillfactor = 80)"  # how an experiment is tried
+    figures, output = small_saga_run(
+        tmp_path, pg_url, kafka_url, "--saga", "outline", "--setup-sql", setup
+    )
+    assert f"setup SQL: {setup}" in output
     assert figures["saga"] == "sagas.order_outline"
     assert figures["placers"] == 8  # back to back: the orders are placed from 8 sessions
     assert (figures["completed"], figures["compensated"]) == (18, 2)
@@ -115,6 +121,26 @@ def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     assert "broker_cpu_ms_per_saga" not in figures
     assert figures["other_cpu_ms_per_saga"] > 0
     assert 0 < figures["machine_busy"] <= 100
+
+
+@pytest.mark.parametrize("command", ["relay", "saga", "latency"])
+def test_bench_setup_sql_the_database_refuses_is_a_one_line_error(
+    pg_url: str, kafka_url: str, tmp_path: Path, command: str
+) -> None:
+    """The statement runs in the scratch database, whose tables are made by then: a column they
+    lack is the database's answer, reported without a traceback."""
+    sizes = {"relay": ["--messages", "10"], "saga": ["--sagas", "1"], "latency": ["--seconds", "1"]}
+    statement = "SELECT no_such_column FROM outbox_messages"
+    result = bench(
+        tmp_path,
+        command,
+        *("--db", pg_url, "--broker", kafka_url, *sizes[command], "--setup-sql", statement),
+    )
+    assert result.returncode == 2, result.stdout + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"saga-engine: error: --setup-sql {statement!r} failed: ")
+    assert "no_such_column" in line
 
 
 @pytest.mark.parametrize(
