@@ -269,6 +269,8 @@ class Bench:
         for violation in violations[:5]:
             report.note(violation)
         if not finished:
+            for line in unfinished_sagas(self.engine, placed):
+                report.note(line)
             for i, log in enumerate(self.logs):
                 report.note(f"worker {i} log, last lines:")
                 for line in tail(log, 8):
@@ -303,6 +305,43 @@ class Bench:
             "ms",
         )
         report.figure("machine_busy", 100 * cpu.busy, "machine CPU busy", "%")
+
+
+def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[str]:
+    """Where the first ``limit`` sagas that did not end stopped: each one's state, and each of its
+    messages (commands and replies carry the saga's id) with its outbox status and the consumers
+    whose inbox holds it. A message sent but in no inbox was lost between broker and consumer."""
+    inbox = schema.inbox
+    lines: list[str] = []
+    with engine.connect() as conn:
+        stuck = conn.execute(
+            sa.select(s.c.id, s.c.state, s.c.attempt, s.c.command_id, s.c.deadline, s.c.updated_at)
+            .where(s.c.id.in_(placed), s.c.ended_at.is_(None))
+            .order_by(s.c.created_at)
+            .limit(limit)
+        ).all()
+        for saga in stuck:
+            lines.append(
+                f"saga {saga.id}: {saga.state}, attempt {saga.attempt}, awaiting "
+                f"{saga.command_id}, deadline {saga.deadline}, updated {saga.updated_at}"
+            )
+            for table in (schema.outbox, schema.outbox_history):
+                messages = conn.execute(
+                    sa.select(table.c.message_id, table.c.message_type, table.c.status)
+                    .add_columns(table.c.sent_at, table.c.retry_count, table.c.last_error)
+                    .where(table.c.aggregate_id == saga.id)
+                    .order_by(table.c.id)
+                ).all()
+                for m in messages:
+                    seen_by = conn.scalars(
+                        sa.select(inbox.c.consumer).where(inbox.c.message_id == m.message_id)
+                    ).all()
+                    lines.append(
+                        f"  {table.name} {m.message_type} {m.message_id}: status {m.status}, "
+                        f"sent {m.sent_at}, retries {m.retry_count}, error {m.last_error}, "
+                        f"in the inbox of {', '.join(seen_by) or 'no consumer'}"
+                    )
+    return lines
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 SCRIPT = Path(sys.executable).with_name("saga-engine")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "saga_engine.cli"]
@@ -219,3 +220,51 @@ def test_bench_pass_refuses_a_size_larger_than_a_batch(pg_url: str, tmp_path: Pa
     result = bench(tmp_path, "pass", "--db", pg_url, "--rows", "1,501")
     assert result.returncode == 2
     assert "--rows: sizes from 1 to 500" in result.stderr
+
+
+def test_a_run_with_unfinished_sagas_says_where_each_stopped(pg_url: str) -> None:
+    """The scratch database is dropped after a run, so what a stuck saga's messages did is printed
+    first: here a command its participant received, and one that was sent and never reached a
+    consumer's inbox."""
+    from saga_engine import db, inbox, schema, store
+    from saga_engine.bench.saga import unfinished_sagas
+    from saga_engine.clock import SYSTEM
+    from saga_engine.messages import Envelope
+    from saga_engine.outbox import OutboxWriter
+
+    def command(message_type: str) -> Envelope:
+        return Envelope(
+            message_type=message_type,
+            destination="stock",
+            partition_key="s-stuck",
+            aggregate_id="s-stuck",
+        )
+
+    received, lost = command("Reserve"), command("Release")
+    engine = db.create_engine(pg_url)
+    try:
+        with engine.begin() as conn:
+            for saga_id in ("s-stuck", "s-done"):
+                saga = store.SagaInstance(
+                    id=saga_id, saga_type="t", definition_version=1, state="reserve", data={}
+                )
+                store.insert(conn, saga, SYSTEM.now())
+            sagas = schema.saga_instances
+            conn.execute(
+                sa.update(sagas).where(sagas.c.id == "s-done").values(ended_at=SYSTEM.now())
+            )
+            OutboxWriter().add_many(conn, [received, lost])
+            sent = {"status": schema.OutboxStatus.SENT, "sent_at": SYSTEM.now()}
+            conn.execute(sa.update(schema.outbox).values(**sent))
+            assert inbox.Inbox().first_time(conn, "stock", received.message_id)
+
+        lines = unfinished_sagas(engine, ["s-stuck", "s-done"])
+    finally:
+        engine.dispose()
+
+    assert lines[0].startswith("saga s-stuck: reserve, attempt 0")
+    assert len(lines) == 3  # the ended saga is left out
+    assert f"outbox_messages Reserve {received.message_id}: status 1" in lines[1]
+    assert lines[1].endswith("in the inbox of stock")
+    assert f"outbox_messages Release {lost.message_id}: status 1" in lines[2]
+    assert lines[2].endswith("in the inbox of no consumer")
