@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
+import json
 import math
 import re
 import subprocess
@@ -310,7 +311,8 @@ class Bench:
 def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[str]:
     """Where the first ``limit`` sagas that did not end stopped: each one's state, and each of its
     messages (commands and replies carry the saga's id) with its outbox status and the consumers
-    whose inbox holds it. A message sent but in no inbox was lost between broker and consumer."""
+    whose inbox holds it (by its message id, or by its command id: participants record that). A
+    message sent but in no inbox was lost between broker and consumer."""
     inbox = schema.inbox
     lines: list[str] = []
     with engine.connect() as conn:
@@ -329,12 +331,14 @@ def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[
                 messages = conn.execute(
                     sa.select(table.c.message_id, table.c.message_type, table.c.status)
                     .add_columns(table.c.sent_at, table.c.retry_count, table.c.last_error)
+                    .add_columns(table.c.headers)
                     .where(table.c.aggregate_id == saga.id)
                     .order_by(table.c.id)
                 ).all()
                 for m in messages:
+                    keys = {m.message_id, json.loads(m.headers).get("command_id", m.message_id)}
                     seen_by = conn.scalars(
-                        sa.select(inbox.c.consumer).where(inbox.c.message_id == m.message_id)
+                        sa.select(inbox.c.consumer).where(inbox.c.message_id.in_(keys))
                     ).all()
                     lines.append(
                         f"  {table.name} {m.message_type} {m.message_id}: status {m.status}, "

@@ -224,8 +224,8 @@ def test_bench_pass_refuses_a_size_larger_than_a_batch(pg_url: str, tmp_path: Pa
 
 def test_a_run_with_unfinished_sagas_says_where_each_stopped(pg_url: str) -> None:
     """The scratch database is dropped after a run, so what a stuck saga's messages did is printed
-    first: here a command its participant received, and one that was sent and never reached a
-    consumer's inbox."""
+    first: here a command its participant received (participants record the command id in their
+    inbox), and one that was sent and never reached a consumer's inbox."""
     from saga_engine import db, inbox, schema, store
     from saga_engine.bench.saga import unfinished_sagas
     from saga_engine.clock import SYSTEM
@@ -238,6 +238,7 @@ def test_a_run_with_unfinished_sagas_says_where_each_stopped(pg_url: str) -> Non
             destination="stock",
             partition_key="s-stuck",
             aggregate_id="s-stuck",
+            headers={"command_id": f"cmd-{message_type}"},
         )
 
     received, lost = command("Reserve"), command("Release")
@@ -256,7 +257,7 @@ def test_a_run_with_unfinished_sagas_says_where_each_stopped(pg_url: str) -> Non
             OutboxWriter().add_many(conn, [received, lost])
             sent = {"status": schema.OutboxStatus.SENT, "sent_at": SYSTEM.now()}
             conn.execute(sa.update(schema.outbox).values(**sent))
-            assert inbox.Inbox().first_time(conn, "stock", received.message_id)
+            assert inbox.Inbox().first_time(conn, "stock", "cmd-Reserve")
 
         lines = unfinished_sagas(engine, ["s-stuck", "s-done"])
     finally:
