@@ -61,31 +61,21 @@ def _message_columns() -> list[sa.Column[object]]:
     ]
 
 
-#: The outbox's partial indexes hold PENDING rows only, where the database has partial indexes
-#: (MySQL and MariaDB index every row).
-PENDING_ONLY: dict[str, Any] = {
-    "postgresql_where": sa.text("status = 0"),
-    "sqlite_where": sa.text("status = 0"),
-}
+def _partial(condition: str) -> dict[str, Any]:
+    """``sa.Index`` options for an index of the rows matching ``condition`` only, where the
+    database has partial indexes (PostgreSQL, SQLite; MySQL and MariaDB index every row)."""
+    where = sa.text(condition)
+    return {"postgresql_where": where, "sqlite_where": where}
 
-#: The index of FAILED rows holds those only, where the database has partial indexes.
-FAILED_ONLY: dict[str, Any] = {
-    "postgresql_where": sa.text("status = 2"),
-    "sqlite_where": sa.text("status = 2"),
-}
 
-#: The index of deadlines holds the sagas that have one (waiting on a timeout or a retry back-off)
-#: only, where the database has partial indexes.
-WITH_DEADLINE: dict[str, Any] = {
-    "postgresql_where": sa.text("deadline IS NOT NULL"),
-    "sqlite_where": sa.text("deadline IS NOT NULL"),
-}
-
-#: The saga index by age holds ended sagas only, where the database has partial indexes.
-ENDED_ONLY: dict[str, Any] = {
-    "postgresql_where": sa.text("ended_at IS NOT NULL"),
-    "sqlite_where": sa.text("ended_at IS NOT NULL"),
-}
+#: The outbox's partial indexes hold PENDING rows only.
+PENDING_ONLY = _partial("status = 0")
+#: The index of FAILED rows holds those only.
+FAILED_ONLY = _partial("status = 2")
+#: The index of deadlines holds the sagas that have one (waiting on a timeout or a retry back-off).
+WITH_DEADLINE = _partial("deadline IS NOT NULL")
+#: The saga index by age holds ended sagas only.
+ENDED_ONLY = _partial("ended_at IS NOT NULL")
 
 outbox = sa.Table(
     "outbox_messages",

@@ -51,35 +51,40 @@ def _relay(sub: Any) -> None:
     parser = sub.add_parser("relay", help="outbox -> Kafka throughput vs raw producer and database")
     _common(parser)
     parser.add_argument(
-        "--messages", type=int, default=30_000, help="messages per round (default 30,000)"
-    )
-    parser.add_argument("--relays", type=int, default=2, help="relay processes (K, default 2)")
-    parser.add_argument(
-        "--batch-size", type=int, default=500, help="rows a relay claims per pass (default 500)"
+        "--messages", type=int, default=30_000, help="messages per round (default %(default)s)"
     )
     parser.add_argument(
-        "--per-transaction", type=int, default=10, help="messages per write (default 10)"
+        "--relays", type=int, default=2, help="relay processes (K, default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=500,
+        help="rows a relay claims per pass (default %(default)s)",
+    )
+    parser.add_argument(
+        "--per-transaction", type=int, default=10, help="messages per write (default %(default)s)"
     )
     parser.add_argument(
         "--per-key",
         type=int,
         default=1,
-        help="consecutive messages sharing a partition key (default 1)",
+        help="consecutive messages sharing a partition key (default %(default)s)",
     )
     parser.add_argument(
         "--payload-bytes",
         type=int,
         default=200,
-        help="size of a message's JSON payload (default 200)",
+        help="size of a message's JSON payload (default %(default)s)",
     )
     parser.add_argument(
-        "--partitions", type=int, default=8, help="partitions of the topic (default 8)"
+        "--partitions", type=int, default=8, help="partitions of the topic (default %(default)s)"
     )
     parser.add_argument(
         "--rounds",
         type=int,
         default=5,
-        help="broker ceiling and relay runs, back to back; the ratio is their median (default 5)",
+        help="broker ceiling and relay runs, back to back; the ratio is their median (default %(default)s)",
     )
     parser.add_argument(
         "--log-acks",
@@ -136,13 +141,17 @@ def run_relay(args: argparse.Namespace) -> int:
 def _saga(sub: Any) -> None:
     parser = sub.add_parser("saga", help="the order saga on K workers (and Temporal, the peer)")
     _common(parser)
-    parser.add_argument("--sagas", type=int, default=1000, help="orders placed (default 1,000)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (K, default 2)")
+    parser.add_argument(
+        "--sagas", type=int, default=1000, help="orders placed (default %(default)s)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="worker processes (K, default %(default)s)"
+    )
     parser.add_argument(
         "--compensate",
         type=float,
         default=0.1,
-        help="share of the orders declined at payment, which compensate (default 0.1)",
+        help="share of the orders declined at payment, which compensate (default %(default)s)",
     )
     parser.add_argument(
         "--rate",
@@ -154,7 +163,7 @@ def _saga(sub: Any) -> None:
         "--placers",
         type=int,
         default=8,
-        help="sessions placing orders side by side when back to back (default 8)",
+        help="sessions placing orders side by side when back to back (default %(default)s)",
     )
     parser.add_argument(
         "--saga",
@@ -168,7 +177,7 @@ def _saga(sub: Any) -> None:
     )
     parser.add_argument("--peer", choices=["temporal"], help="also run the peer in this run")
     parser.add_argument(
-        "--peer-sagas", type=int, default=500, help="sagas the peer runs (default 500)"
+        "--peer-sagas", type=int, default=500, help="sagas the peer runs (default %(default)s)"
     )
     parser.add_argument(
         "--peer-script",
@@ -205,27 +214,32 @@ def _latency(sub: Any) -> None:
     parser = sub.add_parser("latency", help="commit -> ack at a fixed rate; NOTIFY vs polling")
     _common(parser)
     parser.add_argument(
-        "--rate", type=float, default=1000.0, help="messages offered per second (default 1,000)"
+        "--rate",
+        type=float,
+        default=1000.0,
+        help="messages offered per second (default %(default)s)",
     )
     parser.add_argument(
-        "--seconds", type=float, default=10.0, help="seconds of each mode (default 10)"
+        "--seconds", type=float, default=10.0, help="seconds of each mode (default %(default)s)"
     )
-    parser.add_argument("--writers", type=int, default=2, help="writer processes (default 2)")
     parser.add_argument(
-        "--threads", type=int, default=4, help="writer threads per process (default 4)"
+        "--writers", type=int, default=2, help="writer processes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=4, help="writer threads per process (default %(default)s)"
     )
     parser.add_argument(
         "--poll-interval",
         type=float,
         default=0.5,
         metavar="SECONDS",
-        help="the relay's poll interval in both modes (default 0.5)",
+        help="the relay's poll interval in both modes (default %(default)s)",
     )
     parser.add_argument(
         "--overhead-samples",
         type=int,
         default=2000,
-        help="transactions per write-overhead arm (default 2,000)",
+        help="transactions per write-overhead arm (default %(default)s)",
     )
     _setup_sql(parser)
     parser.set_defaults(run=run_latency)
@@ -253,20 +267,20 @@ def _memory(sub: Any) -> None:
     parser = sub.add_parser("memory", help="RSS of a worker holding N in-flight sagas")
     _common(parser)
     parser.add_argument(
-        "--sagas", type=int, default=10_000, help="sagas held in flight (default 10,000)"
+        "--sagas", type=int, default=10_000, help="sagas held in flight (default %(default)s)"
     )
     parser.add_argument(
         "--app",
         default="sagas.app:app",
         metavar="MODULE:OBJECT",
-        help="the worker's app (default sagas.app:app)",
+        help="the worker's app (default %(default)s)",
     )
     parser.add_argument(
         "--settle",
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="how long RSS is sampled after the last command was sent (default 5)",
+        help="how long RSS is sampled after the last command was sent (default %(default)s)",
     )
     parser.set_defaults(run=run_memory)
 
@@ -296,7 +310,7 @@ def _pass(sub: Any) -> None:
         help="rows per pass, one run of passes for each (default 1,15,300)",
     )
     parser.add_argument(
-        "--passes", type=int, default=200, help="timed passes per size (default 200)"
+        "--passes", type=int, default=200, help="timed passes per size (default %(default)s)"
     )
     parser.add_argument(
         "--on-sent",

@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +88,9 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def run_setup_sql(engine: sa.Engine, statements: tuple[str, ...], note: Any) -> None:
+def run_setup_sql(
+    engine: sa.Engine, statements: tuple[str, ...], note: Callable[[str], None]
+) -> None:
     """Run each ``--setup-sql`` statement in a transaction of its own, telling ``note`` first.
 
     Raises :class:`errors.ConfigurationError` for a statement the database refuses."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import importlib
-import json
 import math
 import re
 import subprocess
@@ -37,6 +36,11 @@ from sqlalchemy.orm import Session
 from saga_engine import db, errors, schema
 from saga_engine.bench import env
 from saga_engine.bench.report import Report, percentile
+from saga_engine.consumer import by_message_id
+from saga_engine.messages import Envelope
+from saga_engine.outbox.claim import ROW_COLUMNS
+from saga_engine.outbox.relay import to_outgoing
+from saga_engine.participant import ParticipantService
 
 s = schema.saga_instances
 TARGET_VS_TEMPORAL = 30.0
@@ -311,9 +315,8 @@ class Bench:
 def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[str]:
     """Where the first ``limit`` sagas that did not end stopped: each one's state, and each of its
     messages (commands and replies carry the saga's id) with its outbox status and the consumers
-    whose inbox holds it (by its message id, or by its command id: participants record that). A
-    message sent but in no inbox was lost between broker and consumer."""
-    inbox = schema.inbox
+    whose inbox holds it, under the key each consumer records. A message sent but in no inbox was
+    lost between broker and consumer. Runs once, after a run that failed."""
     lines: list[str] = []
     with engine.connect() as conn:
         stuck = conn.execute(
@@ -327,25 +330,42 @@ def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[
                 f"saga {saga.id}: {saga.state}, attempt {saga.attempt}, awaiting "
                 f"{saga.command_id}, deadline {saga.deadline}, updated {saga.updated_at}"
             )
-            for table in (schema.outbox, schema.outbox_history):
-                messages = conn.execute(
-                    sa.select(table.c.message_id, table.c.message_type, table.c.status)
-                    .add_columns(table.c.sent_at, table.c.retry_count, table.c.last_error)
-                    .add_columns(table.c.headers)
-                    .where(table.c.aggregate_id == saga.id)
-                    .order_by(table.c.id)
-                ).all()
-                for m in messages:
-                    keys = {m.message_id, json.loads(m.headers).get("command_id", m.message_id)}
-                    seen_by = conn.scalars(
-                        sa.select(inbox.c.consumer).where(inbox.c.message_id.in_(keys))
-                    ).all()
-                    lines.append(
-                        f"  {table.name} {m.message_type} {m.message_id}: status {m.status}, "
-                        f"sent {m.sent_at}, retries {m.retry_count}, error {m.last_error}, "
-                        f"in the inbox of {', '.join(seen_by) or 'no consumer'}"
-                    )
+            lines += [_message_line(conn, table, row) for table, row in _messages_of(conn, saga.id)]
     return lines
+
+
+def _messages_of(conn: sa.Connection, saga_id: str) -> list[tuple[sa.Table, Any]]:
+    """The outbox rows a saga caused, undelivered and delivered, each with its table: the relay's
+    columns (:func:`_envelope` reads those by name) and how the row fared."""
+    return [
+        (table, row)
+        for table in (schema.outbox, schema.outbox_history)
+        for row in conn.execute(
+            sa.select(*(table.c[column.name] for column in ROW_COLUMNS))
+            .add_columns(table.c.status, table.c.sent_at, table.c.retry_count, table.c.last_error)
+            .where(table.c.aggregate_id == saga_id)
+            .order_by(table.c.id)
+        )
+    ]
+
+
+def _envelope(row: Any) -> Envelope:
+    """The message of an outbox row as its consumers received it (or would have)."""
+    return Envelope.from_wire(to_outgoing(row).value)
+
+
+def _message_line(conn: sa.Connection, table: sa.Table, row: Any) -> str:
+    envelope = _envelope(row)
+    # The orchestrator records a reply's message id; a participant, a command's command id.
+    keys = {by_message_id(envelope), ParticipantService.dedupe_key(envelope)}
+    seen_by = conn.scalars(
+        sa.select(schema.inbox.c.consumer).where(schema.inbox.c.message_id.in_(keys))
+    ).all()
+    return (
+        f"  {table.name} {row.message_type} {row.message_id}: status {row.status}, "
+        f"sent {row.sent_at}, retries {row.retry_count}, error {row.last_error}, "
+        f"in the inbox of {', '.join(seen_by) or 'no consumer'}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
