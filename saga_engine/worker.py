@@ -52,16 +52,17 @@ class CoalescingWakeup(Wakeup):
         conninfo: str | None = None,
         channel: str = OUTBOX_CHANNEL,
         *,
+        lead: str | None = None,
         min_interval: float = RELAY_WAKE_INTERVAL,
     ) -> None:
-        super().__init__(conninfo, channel)
+        super().__init__(conninfo, channel, lead=lead)
         self.min_interval = min_interval
         self._last_pass = float("-inf")
 
     @classmethod
     def like(cls, wakeup: Wakeup, min_interval: float = RELAY_WAKE_INTERVAL) -> CoalescingWakeup:
         """The same wake-up (LISTEN connection and channel), coalescing."""
-        return cls(wakeup.conninfo, wakeup.channel, min_interval=min_interval)
+        return cls(wakeup.conninfo, wakeup.channel, lead=wakeup.lead, min_interval=min_interval)
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         woken = super().wait(timeout, stop)

@@ -203,8 +203,7 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
     """One relay (the engine's :class:`Relay`, as ``saga-engine relay`` runs it) until stopped."""
     from saga_engine import db, transport
     from saga_engine.bench.nulltransport import NullTransport
-    from saga_engine.outbox.notify import Wakeup
-    from saga_engine.outbox.relay import RelayConfig, relay_engine
+    from saga_engine.outbox.relay import RelayConfig, relay_engine, relay_wakeup
 
     config = RelayConfig(
         batch_size=spec["batch_size"],
@@ -218,7 +217,7 @@ def relay_child(spec: Spec, ch: Channels, ready: Ready) -> Result:
         warm_up(broker, spec["warmup_topic"])
     if spec.get("ack_log"):
         log_acks(spec["ack_log"])
-    wakeup = Wakeup.for_engine(engine) if spec.get("notify", True) else None
+    wakeup = relay_wakeup(engine) if spec.get("notify", True) else None
     relay = TimedRelay(engine, broker, config, wakeup=wakeup)
     ready()
     stop = threading.Event()

@@ -5,6 +5,14 @@ commit. A listener thread on its own autocommit connection waits for them and se
 relay waits on "notified OR poll interval OR stop". Notifications sent while the listener was
 disconnected are lost, which is why polling stays: after every reconnect the listener wakes the relay
 once so it looks for whatever arrived meanwhile.
+
+A NOTIFY reaches every listener, so with several relays on one outbox each wake-up would start a
+pass in each of them, every pass carrying a share of the same few rows for the full cost of a claim,
+a broker round trip and a mark. So relays' listeners also try for a *lead* (``lead``: a statement
+taking a session-level advisory lock, which the listener's connection holds until it closes). The
+relay whose listener leads runs the passes that wake-ups start; the others leave them to it
+(``follower``) and pass on their poll timer only. As every follower's wake-up also reached the
+leader, no row waits longer for it; a follower tries for the lead again at every liveness probe.
 """
 
 from __future__ import annotations
@@ -27,25 +35,44 @@ RECONNECT_DELAY_SECONDS = 1.0
 STOP_CHECK_SECONDS = 0.1
 #: Shown in pg_stat_activity, so operators (and tests) can tell the listener from pooled sessions.
 APPLICATION_NAME = "saga-engine-listen"
+#: Run by a listener that tries for the lead: the server ends the session of a leader whose host
+#: vanished (no FIN, no RST) within about 30 s, instead of after the system's TCP defaults (two
+#: hours of keepalive idle time, or some 15 minutes of unanswered NOTIFYs), so the lead moves on.
+LEAD_SESSION = (
+    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; "
+    "SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000"
+)
 
 
 class Wakeup:
     """An event set by NOTIFY (when listening) or by :meth:`notify`; waited on with a timeout."""
 
-    def __init__(self, conninfo: str | None = None, channel: str = OUTBOX_CHANNEL) -> None:
+    def __init__(
+        self, conninfo: str | None = None, channel: str = OUTBOX_CHANNEL, *, lead: str | None = None
+    ) -> None:
         self.conninfo = conninfo
         self.channel = channel
+        #: A statement that tries for a session-level lock and says whether it got it (see the
+        #: module's docstring); None: this listener does not take part in leading.
+        self.lead = lead
+        #: True while another listener holds the lead: this one's wake-ups are left to it. False
+        #: while this one leads, or is not connected, or does not take part.
+        self.follower = False
+        self._leading = False
         self._event = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def for_engine(cls, engine: Engine, channel: str = OUTBOX_CHANNEL) -> Wakeup:
-        """A wake-up that listens on PostgreSQL and is a plain in-process event elsewhere."""
+    def for_engine(
+        cls, engine: Engine, channel: str = OUTBOX_CHANNEL, *, lead: str | None = None
+    ) -> Wakeup:
+        """A wake-up that listens on PostgreSQL (trying for ``lead`` there) and is a plain
+        in-process event elsewhere."""
         if engine.dialect.name != "postgresql":
             return cls(None, channel)
         url = engine.url.set(drivername="postgresql")
-        return cls(url.render_as_string(hide_password=False), channel)
+        return cls(url.render_as_string(hide_password=False), channel, lead=lead)
 
     def notify(self) -> None:
         self._event.set()
@@ -100,14 +127,32 @@ class Wakeup:
             self.conninfo, autocommit=True, connect_timeout=5, application_name=APPLICATION_NAME
         ) as conn:
             conn.execute(f'LISTEN "{self.channel}"')
-            self._event.set()  # whatever was notified while we were away is in the table
-            probed = time.monotonic()
-            while not self._stopping.is_set():
-                for _ in _notifies(conn):
-                    self._event.set()
-                if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
-                    conn.execute("SELECT 1")  # liveness: a dead connection raises here
-                    probed = time.monotonic()
+            try:
+                self._try_lead(conn, first=True)
+                self._event.set()  # whatever was notified while we were away is in the table
+                probed = time.monotonic()
+                while not self._stopping.is_set():
+                    for _ in _notifies(conn):
+                        self._event.set()
+                    if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
+                        # Liveness: a dead connection raises here. Until it leads, the probe is
+                        # its next try for the lead (the leader's connection may have gone).
+                        if self.lead is not None and not self._leading:
+                            self._try_lead(conn)
+                        else:
+                            conn.execute("SELECT 1")
+                        probed = time.monotonic()
+            finally:
+                # A lock held by a lost connection is the server's to free.
+                self._leading = self.follower = False
+
+    def _try_lead(self, conn: Any, *, first: bool = False) -> None:
+        if self.lead is None:
+            return
+        if first:
+            conn.execute(LEAD_SESSION)
+        got = conn.execute(self.lead).fetchone()[0]  # NULL while there is no outbox table yet
+        self._leading, self.follower = got is True, got is False
 
 
 def _notifies(conn: Any) -> Any:

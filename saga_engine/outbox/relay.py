@@ -12,7 +12,9 @@ is published again and the consumers' inbox absorbs the duplicate.
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the next poll, or a stop request, whichever comes first. Polls
 are at a fixed rate: a pass that took 0.2 s of a 0.5 s interval is followed by 0.3 s of sleep, so
-a message committed just after a claim waits at most one interval plus one pass.
+a message committed just after a claim waits at most one interval plus one pass. Of several relays
+on one PostgreSQL outbox, the one whose listener leads runs the passes that wake-ups start; the
+others pass on their poll timer, and keep passing while batches come back full (``notify``).
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class RelayStats:
     retried: int = 0
     failed: int = 0
     errors: int = 0
+    #: Wake-ups left to the relay that leads (see ``notify``): no pass ran for them here.
+    wakeups_left_to_leader: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,8 @@ class BatchOutcome:
 
 
 class Relay:
-    """Moves outbox rows to a transport. Safe to run as many at once as you like."""
+    """Moves outbox rows to a transport. Safe to run as many at once as you like; on PostgreSQL
+    the one whose listener leads runs the passes that wake-ups start (``notify``)."""
 
     def __init__(
         self,
@@ -142,7 +147,7 @@ class Relay:
         """A relay with its own small connection pool, apart from the application's (pit 3)."""
         config = config or RelayConfig()
         engine = relay_engine(db_url, config.pool_size)
-        wakeup = kwargs.pop("wakeup", None) or Wakeup.for_engine(engine)
+        wakeup = kwargs.pop("wakeup", None) or relay_wakeup(engine)
         return cls(engine, transport, config, wakeup=wakeup, **kwargs)
 
     # -- one pass ---------------------------------------------------------------------------
@@ -299,7 +304,11 @@ class Relay:
                 # After a failure, wait the whole interval: a database that fails fast must not
                 # be retried in a hot loop.
                 took = time.monotonic() - started if result is PassResult.PARTIAL else 0.0
-                self._sleep(stop, fixed_rate_sleep(self.config.poll_interval, took))
+                seconds = fixed_rate_sleep(self.config.poll_interval, took)
+                next_poll = time.monotonic() + seconds
+                while self._sleep(stop, seconds) and self._follows():
+                    self.stats.wakeups_left_to_leader += 1
+                    seconds = max(0.0, next_poll - time.monotonic())
         finally:
             if self.wakeup is not None:
                 self.wakeup.stop()
@@ -316,11 +325,16 @@ class Relay:
             return PassResult.FAILED
         return PassResult.FULL if outcome.claimed >= self.config.batch_size else PassResult.PARTIAL
 
-    def _sleep(self, stop: threading.Event, seconds: float) -> None:
+    def _sleep(self, stop: threading.Event, seconds: float) -> bool:
+        """Sleep until the next poll, a wake-up or ``stop``; True if a wake-up ended it."""
         if self.wakeup is None:
             stop.wait(seconds)
-        else:
-            self.wakeup.wait(seconds, stop)
+            return False
+        return self.wakeup.wait(seconds, stop)
+
+    def _follows(self) -> bool:
+        """Another relay's listener leads: it got the same wake-up and passes for it."""
+        return self.wakeup is not None and self.wakeup.follower
 
     def start(self) -> threading.Thread:
         """Run in a background thread of this process (the in-application form)."""
@@ -345,6 +359,22 @@ PLAN_EACH_EXECUTION = "SET plan_cache_mode = force_custom_plan"
 NO_BITMAP_SCANS = "SET enable_bitmapscan = off"
 #: The same: its commits do not wait for the WAL to reach the disk (see :func:`relay_engine`).
 ASYNC_COMMITS = "SET synchronous_commit = off"
+
+
+#: The lead among the listening relays of one outbox (``notify``): a session-level advisory lock
+#: keyed by the outbox table's oid, so the outboxes of two schemas or databases have leads of their
+#: own. The first key keeps it apart from the application's advisory locks. NULL, neither lead nor
+#: follow, while the table does not exist.
+LEAD_LOCK_SPACE = 0x5A6A
+LEAD = (
+    f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, "
+    f"CAST(CAST(to_regclass('{t.name}') AS oid) AS int))"
+)
+
+
+def relay_wakeup(engine: Engine) -> Wakeup:
+    """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead."""
+    return Wakeup.for_engine(engine, lead=LEAD)
 
 
 def relay_engine(db_url: str, pool_size: int) -> Engine:

@@ -13,6 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +23,10 @@ from saga_engine import db, schema, status
 from saga_engine.messages import Envelope
 from saga_engine.outbox import OutboxWriter, admin
 from saga_engine.outbox import claim as claims
-from saga_engine.outbox.relay import BatchOutcome, Relay, RelayConfig
+from saga_engine.outbox.relay import BatchOutcome, Relay, RelayConfig, relay_wakeup
 from saga_engine.transport.base import Consumer, OutgoingMessage, PublishResult, Transport
 from saga_engine.transport.sql import SqlTransport
+from tests.support.databases import fresh_database
 
 t = schema.outbox
 PENDING, SENT, FAILED = schema.OutboxStatus
@@ -646,3 +648,121 @@ def test_notify_wakes_the_relay_and_survives_a_killed_listener(
     print(f"NOTIFY delivery latency: before {before}, after reconnect {after}")
     assert max(before + after) < 1.0
     assert relay.stats.errors == 0
+
+
+# -- 12. Of several listening relays, one leads -------------------------------------------------
+
+
+def _listening_relays(pg_url: str, engine: sa.Engine, engines: list[object], n: int) -> list[Relay]:
+    """``n`` relays as ``saga-engine relay`` makes them, polling every 5 s only (so a message
+    delivered sooner was delivered for a wake-up), started and listening."""
+    relays = [
+        Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
+        for _ in range(n)
+    ]
+    for relay in relays:
+        engines.append(relay.engine)
+        relay.start()
+    _wait_for(lambda: _listeners(engine) == n, 5)
+    time.sleep(0.3)  # the wake-up that follows each LISTEN has passed
+    return relays
+
+
+def _listeners(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.scalar(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND application_name = 'saga-engine-listen'"
+                )
+            )
+        )
+
+
+def _follows(relay: Relay) -> bool:
+    return relay.wakeup is not None and relay.wakeup.follower
+
+
+def _followers(relays: Sequence[Relay]) -> list[bool]:
+    return [_follows(relay) for relay in relays]
+
+
+@pytest.mark.postgres
+def test_of_two_listening_relays_the_leader_passes_for_every_wake_up(
+    pg_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(pg_url, engines)
+    relays = _listening_relays(pg_url, engine, engines, 2)
+    try:
+        assert sorted(_followers(relays)) == [False, True]
+        leader, follower = sorted(relays, key=_follows)
+        latencies = [_delivery_latency(engine, f"lead-{i}") for i in range(12)]
+    finally:
+        for relay in relays:
+            relay.stop()
+    print(f"latencies {[round(x, 3) for x in latencies]}; follower {follower.stats}")
+    assert max(latencies) < 1.0  # far inside the poll interval: woken, not polled
+    assert (leader.stats.published, follower.stats.published) == (12, 0)
+    assert follower.stats.wakeups_left_to_leader >= 12
+    assert leader.stats.wakeups_left_to_leader == 0
+
+
+@pytest.mark.postgres
+def test_the_lead_passes_on_when_the_leader_stops_or_loses_its_listener(
+    pg_url: str, engines: list[object]
+) -> None:
+    engine = make_engine(pg_url, engines)
+    relays = _listening_relays(pg_url, engine, engines, 3)
+    try:
+        leader = next(relay for relay in relays if not _follows(relay))
+        leader.stop()
+        rest = [relay for relay in relays if relay is not leader]
+        # A follower tries for the lead at each liveness probe (1 s).
+        _wait_for(lambda: sorted(_followers(rest)) == [False, True], 5)
+        assert max(_delivery_latency(engine, f"after-stop-{i}") for i in range(3)) < 1.0
+
+        new_leader = next(relay for relay in rest if not _follows(relay))
+        with engine.connect() as conn:
+            pids = conn.scalars(
+                sa.text(
+                    "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+                    "WHERE l.locktype = 'advisory' AND l.granted "
+                    "AND a.application_name = 'saga-engine-listen'"
+                )
+            ).all()
+            assert len(pids) == 1  # the lead is one listener's session lock
+            assert conn.scalar(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pids[0]})
+        # Whichever listener gets there first leads; never both, never neither for long.
+        _wait_for(lambda: _listeners(engine) == 2 and sorted(_followers(rest)) == [False, True], 5)
+        assert max(_delivery_latency(engine, f"after-kill-{i}") for i in range(3)) < 1.0
+        assert new_leader.stats.errors == 0
+    finally:
+        for relay in relays:
+            relay.stop()
+
+
+@pytest.mark.postgres
+def test_a_listener_of_a_database_without_an_outbox_yet_neither_leads_nor_follows(
+    tmp_path: Path, engines: list[object]
+) -> None:
+    """A relay may start before the migrations ran: its listener listens and leaves the lead
+    for when the outbox exists."""
+    with fresh_database("postgres", tmp_path, create_schema=False) as url:
+        engine = make_engine(url, engines)
+        wakeup = relay_wakeup(engine)
+        wakeup.start()
+        try:
+            _wait_for(lambda: _listeners(engine) == 1, 5)
+            time.sleep(1.5)  # a liveness probe, which tries for the lead again, has run
+            assert wakeup.follower is False and _listeners(engine) == 1  # never reconnected
+            schema.metadata.create_all(engine)
+            other = relay_wakeup(engine)
+            other.start()
+            try:
+                # The first listener tries again at its next probe, and one of the two leads.
+                _wait_for(lambda: sorted([wakeup.follower, other.follower]) == [False, True], 5)
+            finally:
+                other.stop()
+        finally:
+            wakeup.stop()

@@ -340,13 +340,17 @@ def test_fixed_rate_sleep_is_the_rest_of_the_interval(
 
 class StubbedPassesRelay(Relay):
     """A relay whose passes take ``pass_seconds`` and end as ``results`` says, one per pass;
-    records how long the loop sleeps after each, and stops when the results run out."""
+    records how long the loop sleeps after each, and stops when the results run out. Its sleeps
+    end as ``woken`` says, one per sleep (by the timer once it runs out), and ``follower`` says
+    whether another relay leads the wake-ups."""
 
     def __init__(self, engine: sa.Engine, results: list[PassResult], pass_seconds: float) -> None:
         super().__init__(engine, MemoryTransport(), RelayConfig(poll_interval=0.5))
         self.results = list(results)
         self.pass_seconds = pass_seconds
         self.sleeps: list[float] = []
+        self.woken: list[bool] = []
+        self.follower = False
         self.passes = 0
 
     def _pass(self) -> PassResult:
@@ -357,8 +361,12 @@ class StubbedPassesRelay(Relay):
             self._stop.set()
         return result
 
-    def _sleep(self, stop: threading.Event, seconds: float) -> None:
+    def _sleep(self, stop: threading.Event, seconds: float) -> bool:
         self.sleeps.append(seconds)
+        return self.woken.pop(0) if self.woken else False
+
+    def _follows(self) -> bool:
+        return self.follower
 
 
 def test_the_loop_sleeps_the_interval_minus_the_pass(memory_db: sa.Engine) -> None:
@@ -376,6 +384,27 @@ def test_a_pass_longer_than_the_interval_is_followed_by_no_sleep(memory_db: sa.E
     relay.pass_seconds = 0.01
     relay.run()
     assert relay.sleeps == [0.0]
+
+
+def test_a_follower_leaves_its_wake_ups_to_the_leader_and_passes_at_its_poll(
+    memory_db: sa.Engine,
+) -> None:
+    relay = StubbedPassesRelay(memory_db, [PassResult.PARTIAL, PassResult.PARTIAL], 0.0)
+    relay.follower, relay.woken = True, [True, True]
+    relay.run()
+    assert relay.passes == 2 and relay.stats.wakeups_left_to_leader == 2
+    # Three sleeps before the second pass: two ended by wake-ups left to the leader, each
+    # followed by the rest of the same interval, and the last ended by the poll timer.
+    first, second, third, _ = relay.sleeps
+    assert first == pytest.approx(0.5, abs=0.01) and first >= second >= third >= 0.45
+
+
+def test_the_leader_passes_for_each_wake_up(memory_db: sa.Engine) -> None:
+    relay = StubbedPassesRelay(memory_db, [PassResult.PARTIAL, PassResult.PARTIAL], 0.0)
+    relay.woken = [True]
+    relay.run()
+    assert relay.passes == 2 and relay.stats.wakeups_left_to_leader == 0
+    assert len(relay.sleeps) == 2
 
 
 def test_a_failed_pass_waits_the_whole_interval(memory_db: sa.Engine) -> None:
