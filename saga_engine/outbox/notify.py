@@ -38,9 +38,12 @@ APPLICATION_NAME = "saga-engine-listen"
 #: Run by a listener that tries for the lead: the server ends the session of a leader whose host
 #: vanished (no FIN, no RST) within about 30 s, instead of after the system's TCP defaults (two
 #: hours of keepalive idle time, or some 15 minutes of unanswered NOTIFYs), so the lead moves on.
+#: Each setting only where the server has it (``tcp_user_timeout`` is new in PostgreSQL 12).
 LEAD_SESSION = (
-    "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; "
-    "SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000"
+    "SELECT set_config(name, value, false) FROM (VALUES ('tcp_keepalives_idle', '10'), "
+    "('tcp_keepalives_interval', '5'), ('tcp_keepalives_count', '3'), "
+    "('tcp_user_timeout', '30000')) AS wanted (name, value) "
+    "WHERE name IN (SELECT name FROM pg_settings)"
 )
 
 

@@ -766,3 +766,22 @@ def test_a_listener_of_a_database_without_an_outbox_yet_neither_leads_nor_follow
                 other.stop()
         finally:
             wakeup.stop()
+
+
+@pytest.mark.postgres
+def test_a_listener_that_tries_for_the_lead_has_the_server_drop_a_vanished_host_soon(
+    pg_url: str, engines: list[object]
+) -> None:
+    import psycopg
+
+    engine = make_engine(pg_url, engines)
+    wakeup = relay_wakeup(engine)
+    assert wakeup.conninfo is not None
+    with psycopg.connect(wakeup.conninfo, autocommit=True) as conn:
+        wakeup._try_lead(conn, first=True)
+        assert wakeup.follower is False  # nobody else holds it: this one leads
+        shown = [
+            conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+            for name in ("tcp_keepalives_idle", "tcp_keepalives_count", "tcp_user_timeout")
+        ]
+    assert shown == ["10", "3", "30000"]
