@@ -7,11 +7,12 @@ SQL-table transport.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -653,19 +654,26 @@ def test_notify_wakes_the_relay_and_survives_a_killed_listener(
 # -- 12. Of several listening relays, one leads -------------------------------------------------
 
 
-def _listening_relays(pg_url: str, engine: sa.Engine, engines: list[object], n: int) -> list[Relay]:
+@contextlib.contextmanager
+def _listening_relays(
+    pg_url: str, engine: sa.Engine, engines: list[object], n: int
+) -> Iterator[list[Relay]]:
     """``n`` relays as ``saga-engine relay`` makes them, polling every 5 s only (so a message
-    delivered sooner was delivered for a wake-up), started and listening."""
+    delivered sooner was delivered for a wake-up), started and listening; stopped afterwards."""
     relays = [
         Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
         for _ in range(n)
     ]
-    for relay in relays:
-        engines.append(relay.engine)
-        relay.start()
-    _wait_for(lambda: _listeners(engine) == n, 5)
-    time.sleep(0.3)  # the wake-up that follows each LISTEN has passed
-    return relays
+    try:
+        for relay in relays:
+            engines.append(relay.engine)
+            relay.start()
+        _wait_for(lambda: _listeners(engine) == n, 5)
+        time.sleep(0.3)  # the wake-up that follows each LISTEN has passed
+        yield relays
+    finally:
+        for relay in relays:
+            relay.stop()
 
 
 def _listeners(engine: sa.Engine) -> int:
@@ -693,14 +701,10 @@ def test_of_two_listening_relays_the_leader_passes_for_every_wake_up(
     pg_url: str, engines: list[object]
 ) -> None:
     engine = make_engine(pg_url, engines)
-    relays = _listening_relays(pg_url, engine, engines, 2)
-    try:
+    with _listening_relays(pg_url, engine, engines, 2) as relays:
         assert sorted(_followers(relays)) == [False, True]
         leader, follower = sorted(relays, key=_follows)
         latencies = [_delivery_latency(engine, f"lead-{i}") for i in range(12)]
-    finally:
-        for relay in relays:
-            relay.stop()
     print(f"latencies {[round(x, 3) for x in latencies]}; follower {follower.stats}")
     assert max(latencies) < 1.0  # far inside the poll interval: woken, not polled
     assert (leader.stats.published, follower.stats.published) == (12, 0)
@@ -713,8 +717,7 @@ def test_the_lead_passes_on_when_the_leader_stops_or_loses_its_listener(
     pg_url: str, engines: list[object]
 ) -> None:
     engine = make_engine(pg_url, engines)
-    relays = _listening_relays(pg_url, engine, engines, 3)
-    try:
+    with _listening_relays(pg_url, engine, engines, 3) as relays:
         leader = next(relay for relay in relays if not _follows(relay))
         leader.stop()
         rest = [relay for relay in relays if relay is not leader]
@@ -728,6 +731,7 @@ def test_the_lead_passes_on_when_the_leader_stops_or_loses_its_listener(
                 sa.text(
                     "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
                     "WHERE l.locktype = 'advisory' AND l.granted "
+                    "AND a.datname = current_database() "
                     "AND a.application_name = 'saga-engine-listen'"
                 )
             ).all()
@@ -737,9 +741,6 @@ def test_the_lead_passes_on_when_the_leader_stops_or_loses_its_listener(
         _wait_for(lambda: _listeners(engine) == 2 and sorted(_followers(rest)) == [False, True], 5)
         assert max(_delivery_latency(engine, f"after-kill-{i}") for i in range(3)) < 1.0
         assert new_leader.stats.errors == 0
-    finally:
-        for relay in relays:
-            relay.stop()
 
 
 @pytest.mark.postgres
