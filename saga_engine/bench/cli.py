@@ -316,7 +316,7 @@ def _pass(sub: Any) -> None:
         "--on-sent",
         default="auto",
         choices=ON_SENT,
-        help="what the relay does with acknowledged rows (default auto, as in bench relay)",
+        help="what the relay does with acknowledged rows (default %(default)s, as in bench relay)",
     )
     parser.set_defaults(run=run_pass)
 

@@ -336,7 +336,7 @@ def unfinished_sagas(engine: Engine, placed: list[str], limit: int = 5) -> list[
 
 def _messages_of(conn: sa.Connection, saga_id: str) -> list[tuple[sa.Table, Any]]:
     """The outbox rows a saga caused, undelivered and delivered, each with its table: the relay's
-    columns (:func:`_envelope` reads those by name) and how the row fared."""
+    columns (``to_outgoing`` reads those by name) and how the row fared."""
     return [
         (table, row)
         for table in (schema.outbox, schema.outbox_history)
@@ -349,13 +349,9 @@ def _messages_of(conn: sa.Connection, saga_id: str) -> list[tuple[sa.Table, Any]
     ]
 
 
-def _envelope(row: Any) -> Envelope:
-    """The message of an outbox row as its consumers received it (or would have)."""
-    return Envelope.from_wire(to_outgoing(row).value)
-
-
 def _message_line(conn: sa.Connection, table: sa.Table, row: Any) -> str:
-    envelope = _envelope(row)
+    # The message as its consumers received it (or would have).
+    envelope = Envelope.from_wire(to_outgoing(row).value)
     # The orchestrator records a reply's message id; a participant, a command's command id.
     keys = {by_message_id(envelope), ParticipantService.dedupe_key(envelope)}
     seen_by = conn.scalars(

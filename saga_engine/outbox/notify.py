@@ -58,13 +58,17 @@ class Wakeup:
         #: A statement that tries for a session-level lock and says whether it got it (see the
         #: module's docstring); None: this listener does not take part in leading.
         self.lead = lead
-        #: True while another listener holds the lead: this one's wake-ups are left to it. False
-        #: while this one leads, or is not connected, or does not take part.
-        self.follower = False
-        self._leading = False
+        #: What the last try for the lead got: True (this one leads), False (another listener
+        #: does), None (not tried on this connection yet, not connected, or no outbox table).
+        self._lead_held: bool | None = None
         self._event = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def follower(self) -> bool:
+        """Another listener holds the lead: this one's wake-ups are left to it."""
+        return self._lead_held is False
 
     @classmethod
     def for_engine(
@@ -140,22 +144,21 @@ class Wakeup:
                     if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
                         # Liveness: a dead connection raises here. Until it leads, the probe is
                         # its next try for the lead (the leader's connection may have gone).
-                        if self.lead is not None and not self._leading:
+                        if self.lead is not None and self._lead_held is not True:
                             self._try_lead(conn)
                         else:
                             conn.execute("SELECT 1")
                         probed = time.monotonic()
             finally:
                 # A lock held by a lost connection is the server's to free.
-                self._leading = self.follower = False
+                self._lead_held = None
 
     def _try_lead(self, conn: Any, *, first: bool = False) -> None:
         if self.lead is None:
             return
         if first:
             conn.execute(LEAD_SESSION)
-        got = conn.execute(self.lead).fetchone()[0]  # NULL while there is no outbox table yet
-        self._leading, self.follower = got is True, got is False
+        self._lead_held = conn.execute(self.lead).fetchone()[0]  # NULL: no outbox table yet
 
 
 def _notifies(conn: Any) -> Any:
