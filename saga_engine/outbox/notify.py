@@ -13,6 +13,9 @@ taking a session-level advisory lock, which the listener's connection holds unti
 relay whose listener leads runs the passes that wake-ups start; the others leave them to it
 (``follower``) and pass on their poll timer only. As every follower's wake-up also reached the
 leader, no row waits longer for it; a follower tries for the lead again at every liveness probe.
+A follower does not listen meanwhile (UNLISTEN): each NOTIFY would wake its server session, its
+listener thread and its relay for nothing, at every commit. When it takes the lead it listens
+again and wakes its relay once, for whatever was committed while it did not listen.
 """
 
 from __future__ import annotations
@@ -133,10 +136,11 @@ class Wakeup:
         with psycopg.connect(
             self.conninfo, autocommit=True, connect_timeout=5, application_name=APPLICATION_NAME
         ) as conn:
-            conn.execute(f'LISTEN "{self.channel}"')
             try:
                 self._try_lead(conn, first=True)
-                self._event.set()  # whatever was notified while we were away is in the table
+                # Listening wakes the relay once: what was notified while it was away is in the
+                # table. A follower stays deaf and asleep: that is the leader's to pass for.
+                listening = self._listen_unless_following(conn, listening=False)
                 probed = time.monotonic()
                 while not self._stopping.is_set():
                     for _ in _notifies(conn):
@@ -146,6 +150,7 @@ class Wakeup:
                         # its next try for the lead (the leader's connection may have gone).
                         if self.lead is not None and self._lead_held is not True:
                             self._try_lead(conn)
+                            listening = self._listen_unless_following(conn, listening)
                         else:
                             conn.execute("SELECT 1")
                         probed = time.monotonic()
@@ -159,6 +164,15 @@ class Wakeup:
         if first:
             conn.execute(LEAD_SESSION)
         self._lead_held = conn.execute(self.lead).fetchone()[0]  # NULL: no outbox table yet
+
+    def _listen_unless_following(self, conn: Any, listening: bool) -> bool:
+        """LISTEN, or UNLISTEN while another listener leads; returns whether it now listens."""
+        wanted = not self.follower
+        if wanted != listening:
+            conn.execute(f'{"LISTEN" if wanted else "UNLISTEN"} "{self.channel}"')
+            if wanted:
+                self._event.set()  # for what was committed while it did not listen
+        return wanted
 
 
 def _notifies(conn: Any) -> Any:

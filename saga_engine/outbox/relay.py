@@ -98,7 +98,8 @@ class RelayStats:
     retried: int = 0
     failed: int = 0
     errors: int = 0
-    #: Wake-ups left to the relay that leads (see ``notify``): no pass ran for them here.
+    #: Wake-ups left to the relay that leads (see ``notify``): no pass ran for them here. A
+    #: follower does not listen, so these came from its own process (a worker's commits).
     wakeups_left_to_leader: int = 0
 
 
