@@ -51,7 +51,7 @@ def _relay(sub: Any) -> None:
     parser = sub.add_parser("relay", help="outbox -> Kafka throughput vs raw producer and database")
     _common(parser)
     parser.add_argument(
-        "--messages", type=int, default=30_000, help="messages per round (default %(default)s)"
+        "--messages", type=int, default=100_000, help="messages per round (default %(default)s)"
     )
     parser.add_argument(
         "--relays", type=int, default=2, help="relay processes (K, default %(default)s)"

@@ -63,7 +63,8 @@ _SETTLED = {"mark": "mark SENT", "archive": "move to outbox_history", "delete": 
 class Options:
     db: str
     broker: str = env.TANSU
-    messages: int = 30_000
+    #: Long enough for both sides to reach their steady rate (see docs/benchmarks.md, Method).
+    messages: int = 100_000
     relays: int = 2
     batch_size: int = 500
     per_transaction: int = 10
