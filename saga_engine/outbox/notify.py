@@ -11,9 +11,9 @@ pass in each of them, every pass carrying a share of the same few rows for the f
 a broker round trip and a mark. So relays' listeners also try for a *lead* (``lead``: a statement
 taking a session-level advisory lock, which the listener's connection holds until it closes). The
 relay whose listener leads runs the passes that wake-ups start; the others leave them to it
-(``follower``) and pass on their poll timer only. As every follower's wake-up also reached the
-leader, no row waits longer for it; a follower tries for the lead again at every liveness probe.
-A follower does not listen meanwhile (UNLISTEN): each NOTIFY would wake its server session, its
+(``follower``) and pass on their poll timer only. As every commit's NOTIFY reaches the leader,
+no row waits longer for it; a follower tries for the lead again at every liveness probe. A
+follower does not listen meanwhile (UNLISTEN): each NOTIFY would wake its server session, its
 listener thread and its relay for nothing, at every commit. When it takes the lead it listens
 again and wakes its relay once, for whatever was committed while it did not listen.
 """
@@ -137,10 +137,9 @@ class Wakeup:
             self.conninfo, autocommit=True, connect_timeout=5, application_name=APPLICATION_NAME
         ) as conn:
             try:
-                self._try_lead(conn, first=True)
                 # Listening wakes the relay once: what was notified while it was away is in the
                 # table. A follower stays deaf and asleep: that is the leader's to pass for.
-                listening = self._listen_unless_following(conn, listening=False)
+                self._try_lead_then_listen(conn, first=True)
                 probed = time.monotonic()
                 while not self._stopping.is_set():
                     for _ in _notifies(conn):
@@ -149,8 +148,7 @@ class Wakeup:
                         # Liveness: a dead connection raises here. Until it leads, the probe is
                         # its next try for the lead (the leader's connection may have gone).
                         if self.lead is not None and self._lead_held is not True:
-                            self._try_lead(conn)
-                            listening = self._listen_unless_following(conn, listening)
+                            self._try_lead_then_listen(conn)
                         else:
                             conn.execute("SELECT 1")
                         probed = time.monotonic()
@@ -158,21 +156,21 @@ class Wakeup:
                 # A lock held by a lost connection is the server's to free.
                 self._lead_held = None
 
-    def _try_lead(self, conn: Any, *, first: bool = False) -> None:
-        if self.lead is None:
-            return
-        if first:
-            conn.execute(LEAD_SESSION)
-        self._lead_held = conn.execute(self.lead).fetchone()[0]  # NULL: no outbox table yet
+    def _try_lead_then_listen(self, conn: Any, *, first: bool = False) -> None:
+        """Try for the lead (when this listener takes part), then listen unless following.
 
-    def _listen_unless_following(self, conn: Any, listening: bool) -> bool:
-        """LISTEN, or UNLISTEN while another listener leads; returns whether it now listens."""
-        wanted = not self.follower
-        if wanted != listening:
-            conn.execute(f'{"LISTEN" if wanted else "UNLISTEN"} "{self.channel}"')
-            if wanted:
+        A new connection listens to nothing; afterwards it listens exactly when the last try did
+        not make it a follower, so whether it listens is read off ``follower`` before the try.
+        """
+        listening = not first and not self.follower
+        if self.lead is not None:
+            if first:
+                conn.execute(LEAD_SESSION)
+            self._lead_held = conn.execute(self.lead).fetchone()[0]  # NULL: no outbox table yet
+        if listening != (not self.follower):
+            conn.execute(f'{"UNLISTEN" if listening else "LISTEN"} "{self.channel}"')
+            if not listening:
                 self._event.set()  # for what was committed while it did not listen
-        return wanted
 
 
 def _notifies(conn: Any) -> Any:

@@ -780,7 +780,7 @@ def test_a_listener_that_tries_for_the_lead_has_the_server_drop_a_vanished_host_
     wakeup = relay_wakeup(engine)
     assert wakeup.conninfo is not None
     with psycopg.connect(wakeup.conninfo, autocommit=True) as conn:
-        wakeup._try_lead(conn, first=True)
+        wakeup._try_lead_then_listen(conn, first=True)
         assert wakeup.follower is False  # nobody else holds it: this one leads
         shown = [
             conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
