@@ -61,6 +61,20 @@ def insert(conn: Connection, instance: SagaInstance, now: datetime) -> None:
     _INSERT.execute(conn, _row(instance))
 
 
+#: The prefix of the insert's parameters where it rides in another statement as a ``WITH`` clause
+#: (PostgreSQL): the outbox's columns share some of its names (``tenant_id``, ``created_at``).
+CARRIED = "saga_"
+#: The insert as a ``WITH`` clause, and the parameters it takes: :func:`carried_row`'s keys.
+CARRIED_INSERT = s.insert().values({name: sa.bindparam(CARRIED + name) for name in _FIELDS})
+CARRIED_KEYS = tuple(CARRIED + name for name in _FIELDS)
+
+
+def carried_row(instance: SagaInstance, now: datetime) -> dict[str, Any]:
+    """The parameters of :data:`CARRIED_INSERT` for a new ``instance`` (as :func:`insert` does)."""
+    instance.created_at = instance.updated_at = now
+    return {CARRIED + name: value for name, value in _row(instance).items()}
+
+
 #: Built once: a saga's every message loads and saves its instance, and building the statement
 #: anew each time cost as much client CPU as executing it.
 #: The instance's columns in ``_FIELDS`` order: a row read is zipped with ``_FIELDS``, which costs

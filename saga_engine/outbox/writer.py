@@ -25,11 +25,11 @@ t = schema.outbox
 
 #: Built once: constructing the statement per call costs as much as the insert on a fast path.
 #: ``inline``: no ``RETURNING id``, which PostgreSQL would otherwise send back for every
-#: single-row insert and which the writer never reads.
-_INSERT = t.insert().inline()
+#: single-row insert and which the writer never reads. The orchestrator builds a saga's start on it.
+INSERT = t.insert().inline()
 
-#: The columns every row sets, in the order of the table.
-_COLUMNS = (
+#: The columns every row sets, in the order of the table: the keys of the writer's rows.
+COLUMNS = (
     "message_id",
     "aggregate_type",
     "aggregate_id",
@@ -47,7 +47,7 @@ _COLUMNS = (
     "created_at",
     "updated_at",
 )
-_DRIVER_INSERT = db.DriverStatement(_INSERT, _COLUMNS)
+_DRIVER_INSERT = db.DriverStatement(INSERT, COLUMNS)
 
 #: ``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` and the same with ASCII:
 #: ``json.dumps`` with options builds a new encoder on every call.

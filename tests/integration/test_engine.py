@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -285,6 +286,38 @@ def test_concurrent_update_is_detected_by_the_version(world: Any) -> None:
     runtime.run_until_quiet()
     with engine.begin() as conn, pytest.raises(errors.ConcurrentUpdate):
         store.save(conn, stale, runtime.clock.now())
+
+
+def test_a_start_writes_the_saga_and_its_first_command_together(world: Any) -> None:
+    _, app, saga, engine = world
+    sent: list[str] = []
+    sa.event.listen(engine, "before_cursor_execute", lambda *args: sent.append(args[2]))
+    sid = start(app, engine, saga, order="o10")
+    inserts = [sql for sql in sent if sql.lstrip().upper().startswith(("INSERT", "WITH"))]
+    # PostgreSQL: the saga's row rides in the command's insert; elsewhere one insert each.
+    assert len(inserts) == (1 if engine.dialect.name == "postgresql" else 2)
+    with engine.connect() as conn:
+        commands = conn.execute(
+            sa.select(schema.outbox.c.headers).where(schema.outbox.c.aggregate_id == sid)
+        ).all()
+    assert len(commands) == 1
+    sent_id = json.loads(commands[0].headers)["command_id"]
+    started = instance(engine, sid)
+    assert (started.state, started.command_id) == ("a", sent_id)
+    assert started.created_at is not None and started.created_at == started.updated_at
+
+
+def test_a_start_whose_saga_id_is_taken_writes_no_command(world: Any) -> None:
+    _, app, saga, engine = world
+    with engine.begin() as conn:
+        app.start(conn, saga, Data(order="o11"), saga_id="taken")
+    with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+        app.start(conn, saga, Data(order="o12"), saga_id="taken")
+    with engine.connect() as conn:
+        orders = conn.scalars(
+            sa.select(schema.outbox.c.payload).where(schema.outbox.c.aggregate_id == "taken")
+        ).all()
+    assert len(orders) == 1 and "o11" in orders[0]
 
 
 def _raw(channel: str, key: str, body: bytes) -> Any:
