@@ -226,14 +226,6 @@ class Orchestrator:
             # Saved at the end of the batch, checked against the version first read.
             batch.read_versions.setdefault(instance.id, instance.version)
 
-    def emit(self, conn: Connection, envelope: Envelope) -> None:
-        """Send a command: now, or with the batch's other commands if a batch is open."""
-        batch = _open_batch(conn)
-        if batch is None:
-            self.writer.add(conn, envelope)
-        else:
-            batch.commands.add(envelope)
-
     # -- checks ---------------------------------------------------------------------------------
 
     def _saga(self, name: str) -> Saga[Any]:
@@ -292,8 +284,10 @@ class _Run:
         self.saga = saga
         self.instance = instance
         self.cause = cause
-        #: Where the commands go when the caller writes them itself (a start); else they are sent
-        #: through the orchestrator, now or with its open batch.
+        #: Where the commands go to be written later: the caller's (a start writes them with the
+        #: saga's row), else the open batch's; None writes each one at once.
+        if commands is None and (batch := _open_batch(conn)) is not None:
+            commands = batch.commands
         self.commands = commands
         self.machine = orchestrator.machines[saga.name]
         self.now = orchestrator.clock.now()
@@ -457,10 +451,10 @@ class _Run:
             },
             payload=command.model_dump(mode="json"),
         )
-        if self.commands is not None:
-            self.commands.add(envelope)
+        if self.commands is None:
+            self.o.writer.add(self.conn, envelope)
         else:
-            self.o.emit(self.conn, envelope)
+            self.commands.add(envelope)
         deadline = self._timeout_deadline(step) if phase == DO else None
         instance.wait_until(deadline, TIMEOUT if deadline else None)
 

@@ -57,8 +57,12 @@ def _row(instance: SagaInstance) -> dict[str, Any]:
 
 
 def insert(conn: Connection, instance: SagaInstance, now: datetime) -> None:
+    _INSERT.execute(conn, _new_row(instance, now))
+
+
+def _new_row(instance: SagaInstance, now: datetime) -> dict[str, Any]:
     instance.created_at = instance.updated_at = now
-    _INSERT.execute(conn, _row(instance))
+    return _row(instance)
 
 
 #: The prefix of the insert's parameters where it rides in another statement as a ``WITH`` clause
@@ -71,8 +75,7 @@ CARRIED_KEYS = tuple(CARRIED + name for name in _FIELDS)
 
 def carried_row(instance: SagaInstance, now: datetime) -> dict[str, Any]:
     """The parameters of :data:`CARRIED_INSERT` for a new ``instance`` (as :func:`insert` does)."""
-    instance.created_at = instance.updated_at = now
-    return {CARRIED + name: value for name, value in _row(instance).items()}
+    return {CARRIED + name: value for name, value in _new_row(instance, now).items()}
 
 
 #: Built once: a saga's every message loads and saves its instance, and building the statement

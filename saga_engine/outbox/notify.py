@@ -162,14 +162,15 @@ class Wakeup:
         A new connection listens to nothing; afterwards it listens exactly when the last try did
         not make it a follower, so whether it listens is read off ``follower`` before the try.
         """
-        listening = not first and not self.follower
+        listened = not first and not self.follower
         if self.lead is not None:
             if first:
                 conn.execute(LEAD_SESSION)
             self._lead_held = conn.execute(self.lead).fetchone()[0]  # NULL: no outbox table yet
-        if listening != (not self.follower):
-            conn.execute(f'{"UNLISTEN" if listening else "LISTEN"} "{self.channel}"')
-            if not listening:
+        listens = not self.follower
+        if listens != listened:
+            conn.execute(f'{"LISTEN" if listens else "UNLISTEN"} "{self.channel}"')
+            if listens:
                 self._event.set()  # for what was committed while it did not listen
 
 
