@@ -199,8 +199,13 @@ class MessageConsumer:
                 if not retry:
                     continue
                 self.on_commit()
-                self.consumer.commit(deliveries[:index])
-                self.consumer.release(deliveries[index:])
+                try:
+                    self.consumer.commit(deliveries[:index])
+                finally:
+                    # Even when the commit fails (a rebalance): a consumer that keeps its
+                    # partitions reads on from its position, past the message to retry, and its
+                    # next commit would cover that message too.
+                    self.consumer.release(deliveries[index:])
                 time.sleep(self.config.retry_delay)
                 return
         self.on_commit()

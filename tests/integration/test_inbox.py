@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from saga_engine import db, deadletter, schema
+from saga_engine import db, deadletter, errors, schema
 from saga_engine.consumer import ConsumerConfig, MessageConsumer
 from saga_engine.inbox import Inbox, RedisDedupe
 from saga_engine.messages import Envelope
-from saga_engine.transport.base import OutgoingMessage
+from saga_engine.transport.base import Delivery, OutgoingMessage
+from saga_engine.transport.memory import MemoryConsumer, MemoryTransport
 from saga_engine.transport.sql import SqlTransport
 
 ledger = sa.Table(
@@ -286,6 +287,68 @@ def test_a_handler_that_always_fails_is_given_up_and_the_channel_moves_on(
     assert Envelope.from_wire(bytes(letter.raw)) == poison
     assert (consumer.stats.retries, consumer.stats.given_up) == (2, 1)
     assert count(engine, schema.transport_messages) == 0
+
+
+class CommitFailsOnceConsumerDouble(MemoryConsumer):
+    """A consumer whose first commit fails, as a Kafka commit does during a rebalance after
+    which the consumer keeps its partitions and reads on from its position."""
+
+    failures = 1
+
+    def commit(self, deliveries: Sequence[Delivery]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise errors.TransportError("kafka commit failed: rebalance in progress (double)")
+        super().commit(deliveries)
+
+
+class CommitFailsOnceTransportDouble(MemoryTransport):
+    def consumer(self, group: str, channels: Sequence[str]) -> CommitFailsOnceConsumerDouble:
+        return CommitFailsOnceConsumerDouble(self, group, list(channels))
+
+
+def test_a_message_to_retry_comes_again_when_the_commit_before_it_fails(
+    db_url: str, engines: list[object]
+) -> None:
+    engine = setup(db_url, engines)
+    first, flaky, last = envelope("o-1", 1), envelope("o-1", 2), envelope("o-1", 3)
+    calls: list[str] = []
+
+    def handler(conn: Connection, env: Envelope) -> None:
+        calls.append(env.message_id)
+        if env.message_id == flaky.message_id and calls.count(flaky.message_id) <= 2:
+            raise ConnectionResetError("the card service hung up")
+        charge(conn, env)
+
+    transport = CommitFailsOnceTransportDouble()
+    consumer = MessageConsumer(
+        "billing",
+        engine,
+        transport,
+        [CHANNEL],
+        handler,
+        config=ConsumerConfig(poll_timeout=0.05, retry_delay=0.0, max_attempts=3),
+    )
+    try:
+        transport.publish(
+            [
+                OutgoingMessage(e.message_id, CHANNEL, e.partition_key, e.to_wire())
+                for e in (first, flaky, last)
+            ],
+            5.0,
+        )
+        # The batch fails at the flaky message, which then fails alone as well: the message
+        # before it commits, the flaky one is to be retried, and committing the offsets fails.
+        with pytest.raises(errors.TransportError):
+            consumer.run_once()
+        drain(consumer)
+    finally:
+        consumer.close()
+
+    with engine.connect() as conn:
+        charged = set(conn.scalars(sa.select(ledger.c.message_id)))
+    assert charged == {first.message_id, flaky.message_id, last.message_id}
+    assert calls.count(flaky.message_id) == 3
 
 
 def test_a_consumer_with_a_long_name_leases_on_every_database(
