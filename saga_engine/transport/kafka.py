@@ -11,7 +11,8 @@ the relay marks exactly the acknowledged rows. The key is the partition key, so 
 messages stay in one partition, in order, and share their fate within a publish call.
 
 Consuming is at least once: offsets are committed only when the caller says its effects are
-committed, and ``release`` seeks back so given-back messages come again.
+committed, and ``release`` seeks back so given-back messages come again. Offsets a broker skipped
+are read again (``kafka_gaps``).
 
 A kafka-python 3.0 client whose bootstrap fails leaves its IO thread running, so clients are only
 built after a TCP probe finds a broker.
@@ -37,6 +38,7 @@ from saga_engine.transport.base import (
     Transport,
 )
 from saga_engine.transport.kafka_batch import BatchProducer
+from saga_engine.transport.kafka_gaps import GapGuard
 
 with warnings.catch_warnings():
     # kafka-python 3.0 reads its protocol schemas with importlib.resources.read_text/open_text,
@@ -210,12 +212,13 @@ class KafkaTransport(Transport):
         # count (4 on tansu, 1 on Kafka); creating it first gives it ours.
         self.ensure_channels(topics)
         client = self._connect(kafka.KafkaConsumer, "a consumer", **self._consumer_config(group))
+        consumer = KafkaGroupConsumer(client)
         try:
-            client.subscribe(topics=topics)
+            client.subscribe(topics=topics, listener=_Reassigned(consumer.gaps))
         except (kafka_errors.KafkaError, TypeError, ValueError) as exc:
             client.close(autocommit=False, timeout_ms=0)
             raise errors.TransportError(f"cannot subscribe to {topics}: {_describe(exc)}") from exc
-        return KafkaGroupConsumer(client)
+        return consumer
 
     def _consumer_config(self, group: str) -> dict[str, Any]:
         return {
@@ -259,10 +262,15 @@ class KafkaTransport(Transport):
 
 
 class KafkaGroupConsumer(Consumer):
-    """A kafka-python consumer in a group; tokens are ``(TopicPartition, offset)``."""
+    """A kafka-python consumer in a group; tokens are ``(TopicPartition, offset)``.
 
-    def __init__(self, client: Any) -> None:
+    A poll delivers a partition's records only while their offsets follow each other; where the
+    broker skipped some, it seeks back and reads them again (see ``kafka_gaps``).
+    """
+
+    def __init__(self, client: Any, gaps: GapGuard | None = None) -> None:
         self._client = client
+        self.gaps = gaps or GapGuard()
 
     def poll(self, max_messages: int, timeout: float) -> list[Delivery]:
         if max_messages < 1:
@@ -271,7 +279,13 @@ class KafkaGroupConsumer(Consumer):
             batches = self._client.poll(timeout_ms=int(timeout * 1000), max_records=max_messages)
         except kafka_errors.KafkaError as exc:
             raise errors.TransportError(f"kafka poll failed: {_describe(exc)}") from exc
-        return [_delivery(record) for records in batches.values() for record in records]
+        deliveries = []
+        for partition, records in batches.items():
+            taken, skipped_from = self.gaps.take(partition, records)
+            if skipped_from is not None:
+                self._client.seek(partition, skipped_from)
+            deliveries += [_delivery(record) for record in taken]
+        return deliveries
 
     def commit(self, deliveries: Sequence[Delivery]) -> None:
         # The committed offset is the next one to read: one past the highest delivered.
@@ -296,6 +310,7 @@ class KafkaGroupConsumer(Consumer):
             # offset, which is at or before these.
             if partition in assigned:
                 self._client.seek(partition, offset)
+                self.gaps.rewound(partition, offset)
 
     def close(self) -> None:
         try:
@@ -307,6 +322,20 @@ class KafkaGroupConsumer(Consumer):
 
 
 # -- consuming helpers ---------------------------------------------------------------------
+
+
+class _Reassigned(kafka.ConsumerRebalanceListener):  # type: ignore[misc]
+    """Forgets the expected offsets of partitions a rebalance moved: a partition assigned anew
+    goes on from the group's committed offset, which says nothing about a gap."""
+
+    def __init__(self, gaps: GapGuard) -> None:
+        self.gaps = gaps
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        self.gaps.forget(revoked)
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        self.gaps.forget(assigned)
 
 
 def _delivery(record: Any) -> Delivery:
