@@ -268,9 +268,9 @@ class KafkaGroupConsumer(Consumer):
     broker skipped some, it seeks back and reads them again (see ``kafka_gaps``).
     """
 
-    def __init__(self, client: Any, gaps: GapGuard | None = None) -> None:
+    def __init__(self, client: Any) -> None:
         self._client = client
-        self.gaps = gaps or GapGuard()
+        self.gaps = GapGuard()
 
     def poll(self, max_messages: int, timeout: float) -> list[Delivery]:
         if max_messages < 1:

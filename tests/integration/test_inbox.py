@@ -14,7 +14,7 @@ from saga_engine import db, deadletter, errors, schema
 from saga_engine.consumer import ConsumerConfig, MessageConsumer
 from saga_engine.inbox import Inbox, RedisDedupe
 from saga_engine.messages import Envelope
-from saga_engine.transport.base import Delivery, OutgoingMessage
+from saga_engine.transport.base import Delivery, OutgoingMessage, Transport
 from saga_engine.transport.memory import MemoryConsumer, MemoryTransport
 from saga_engine.transport.sql import SqlTransport
 
@@ -43,7 +43,7 @@ def envelope(key: str = "order-1", amount: int = 10, **payload: Any) -> Envelope
     )
 
 
-def publish(transport: SqlTransport, *items: Envelope | bytes, key: str = "k") -> None:
+def publish(transport: Transport, *items: Envelope | bytes, key: str = "k") -> None:
     """Put envelopes (or raw bytes, as a broken producer would) on the channel."""
     messages = []
     for i, item in enumerate(items):
@@ -59,13 +59,14 @@ def publish(transport: SqlTransport, *items: Envelope | bytes, key: str = "k") -
 def consumer_for(
     engine: sa.Engine,
     handler: Callable[[Connection, Envelope], None],
+    transport: Transport | None = None,
     **config: Any,
 ) -> MessageConsumer:
     settings = {"poll_timeout": 0.05, "retry_delay": 0.0, **config}
     return MessageConsumer(
         "billing",
         engine,
-        SqlTransport(engine),
+        transport or SqlTransport(engine),
         [CHANNEL],
         handler,
         config=ConsumerConfig(**settings),
@@ -177,7 +178,7 @@ def test_the_inbox_record_commits_and_rolls_back_with_the_handler(
     consumer = consumer_for(engine, flaky_charge)
     try:
         message = envelope()
-        publish(consumer.transport, message)  # type: ignore[arg-type]
+        publish(consumer.transport, message)
         assert consumer.run_once() == 1
         # Rolled back together: no effect and no inbox record, and the message is still queued.
         assert (count(engine, ledger), count(engine, schema.inbox)) == (0, 0)
@@ -187,7 +188,7 @@ def test_the_inbox_record_commits_and_rolls_back_with_the_handler(
         assert (count(engine, ledger), count(engine, schema.inbox)) == (1, 1)
 
         # The same message again (a relay that crashed before marking it): skipped and counted.
-        publish(consumer.transport, message)  # type: ignore[arg-type]
+        publish(consumer.transport, message)
         drain(consumer)
         assert len(calls) == 2 and count(engine, ledger) == 1
         assert consumer.stats.duplicates == 1
@@ -235,7 +236,7 @@ def test_malformed_messages_are_dead_lettered_and_the_consumer_keeps_going(
     oversized = envelope(padding="x" * 4096).to_wire()
     good = envelope()
     try:
-        publish(consumer.transport, not_json, wrong_schema, oversized, good)  # type: ignore[arg-type]
+        publish(consumer.transport, not_json, wrong_schema, oversized, good)
         drain(consumer)
     finally:
         consumer.close()
@@ -269,7 +270,7 @@ def test_a_handler_that_always_fails_is_given_up_and_the_channel_moves_on(
 
     consumer = consumer_for(engine, handler, max_attempts=3)
     try:
-        publish(consumer.transport, poison, same_key, other_key)  # type: ignore[arg-type]
+        publish(consumer.transport, poison, same_key, other_key)
         drain(consumer)
     finally:
         consumer.close()
@@ -321,22 +322,9 @@ def test_a_message_to_retry_comes_again_when_the_commit_before_it_fails(
         charge(conn, env)
 
     transport = CommitFailsOnceTransportDouble()
-    consumer = MessageConsumer(
-        "billing",
-        engine,
-        transport,
-        [CHANNEL],
-        handler,
-        config=ConsumerConfig(poll_timeout=0.05, retry_delay=0.0, max_attempts=3),
-    )
+    consumer = consumer_for(engine, handler, transport, max_attempts=3)
     try:
-        transport.publish(
-            [
-                OutgoingMessage(e.message_id, CHANNEL, e.partition_key, e.to_wire())
-                for e in (first, flaky, last)
-            ],
-            5.0,
-        )
+        publish(transport, first, flaky, last)
         # The batch fails at the flaky message, which then fails alone as well: the message
         # before it commits, the flaky one is to be retried, and committing the offsets fails.
         with pytest.raises(errors.TransportError):
@@ -365,7 +353,7 @@ def test_a_consumer_with_a_long_name_leases_on_every_database(
         config=ConsumerConfig(poll_timeout=0.05, retry_delay=0.0),
     )
     try:
-        publish(consumer.transport, envelope())  # type: ignore[arg-type]
+        publish(consumer.transport, envelope())
         drain(consumer)
         assert count(engine, ledger) == 1
     finally:
