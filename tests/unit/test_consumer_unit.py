@@ -6,13 +6,13 @@ unit-test double) with a consumer whose first commit fails.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from saga_engine import db, errors, schema
+from saga_engine import errors, schema
 from saga_engine.consumer import ConsumerConfig, MessageConsumer
 from saga_engine.messages import Envelope
 from saga_engine.transport.base import Delivery, OutgoingMessage
@@ -37,14 +37,6 @@ class CommitFailsOnceConsumerDouble(MemoryConsumer):
 class CommitFailsOnceTransportDouble(MemoryTransport):
     def consumer(self, group: str, channels: Sequence[str]) -> CommitFailsOnceConsumerDouble:
         return CommitFailsOnceConsumerDouble(self, group, list(channels))
-
-
-@pytest.fixture
-def memory_db() -> Iterator[sa.Engine]:
-    engine = db.create_engine("sqlite://")  # one connection per thread: one in-memory database
-    schema.metadata.create_all(engine)
-    yield engine
-    engine.dispose()
 
 
 def charge(number: int) -> Envelope:

@@ -10,13 +10,12 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 
-from saga_engine import clock, db, errors, schema
+from saga_engine import clock, errors, schema
 from saga_engine.messages import Envelope
 from saga_engine.outbox import DEFAULT_MAX_PAYLOAD_BYTES, OutboxWriter
 from saga_engine.outbox import claim as claims
@@ -31,14 +30,6 @@ NOW = datetime(2030, 1, 1, 12, 0, 0)
 class ClockDouble:
     def now(self) -> datetime:
         return NOW
-
-
-@pytest.fixture
-def memory_db() -> Iterator[sa.Engine]:
-    engine = db.create_engine("sqlite://")  # one connection per thread: one in-memory database
-    schema.metadata.create_all(engine)
-    yield engine
-    engine.dispose()
 
 
 def envelope(**payload: object) -> Envelope:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -31,14 +31,6 @@ from saga_engine.transport.base import Consumer, OutgoingMessage, PublishResult,
 from saga_engine.transport.memory import MemoryTransport
 
 NOW = datetime(2030, 1, 1, 12, 0, 0, 123456)
-
-
-@pytest.fixture
-def memory_db() -> Iterator[sa.Engine]:
-    engine = db.create_engine("sqlite://")
-    schema.metadata.create_all(engine)
-    yield engine
-    engine.dispose()
 
 
 def row(**fields: Any) -> OutboxRow:
