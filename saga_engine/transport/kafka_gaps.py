@@ -59,7 +59,7 @@ class GapGuard:
         self._next[partition] = offset
         self._open_since.pop(partition, None)
 
-    def take(self, partition: Any, records: Sequence[R]) -> tuple[list[R], int | None]:
+    def take(self, partition: Any, records: Sequence[R]) -> tuple[Sequence[R], int | None]:
         """The records of ``partition`` to deliver, in order, and the offset to seek back to when
         the broker skipped some (None when it did not, or when the gap is taken as real)."""
         expected = self._next.get(partition)
@@ -70,12 +70,12 @@ class GapGuard:
                 and self._read_again(partition, expected, record.offset)
             ):
                 self._next[partition] = expected
-                return list(records[:index]), expected
+                return records[:index], expected
             expected = record.offset + 1
         if expected is not None:
             self._next[partition] = expected
         self._open_since.pop(partition, None)
-        return list(records), None
+        return records, None
 
     def _read_again(self, partition: Any, expected: int, found: int) -> bool:
         now = self._clock()

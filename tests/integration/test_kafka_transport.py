@@ -16,7 +16,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
 from urllib.parse import urlsplit
 
 import pytest
@@ -26,6 +25,7 @@ from saga_engine.testing.tansu import TEST_OPTIONS, TansuBroker, free_port
 from saga_engine.transport import factory
 from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage
 from saga_engine.transport.kafka import KafkaGroupConsumer, KafkaTransport
+from saga_engine.transport.kafka import _token as position
 from tests.support.proxy import TcpProxy, start_tansu_behind
 
 pytestmark = pytest.mark.kafka
@@ -108,11 +108,6 @@ def assert_quiet(consumer: Consumer, seconds: float = 1.5) -> None:
 
 def values(deliveries: Sequence[Delivery]) -> list[bytes]:
     return [d.value for d in deliveries]
-
-
-def position(delivery: Delivery) -> tuple[Any, int]:
-    """A Kafka delivery's token: its ``TopicPartition`` and offset."""
-    return cast(tuple[Any, int], delivery.token)
 
 
 def group() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import pytest
@@ -31,7 +32,7 @@ def records(*offsets: int) -> list[RecordDouble]:
     return [RecordDouble(offset) for offset in offsets]
 
 
-def offsets(taken: list[RecordDouble]) -> list[int]:
+def offsets(taken: Sequence[RecordDouble]) -> list[int]:
     return [record.offset for record in taken]
 
 
