@@ -4,7 +4,7 @@ One pass polls a batch from the transport and applies it in ONE local transactio
 decode it, record it in the inbox (skip and count it if it was seen before), run the handler, which
 writes its effects and its outgoing messages (outbox) on the same connection. A handler may bring a
 batch scope that opens around all of the batch's handler calls (the orchestrator reads the batch's
-sagas in one statement there, and writes their states and commands in one executemany each when it
+sagas in one statement there, and writes their states and commands in one statement each when it
 closes). Only after that transaction commits is the broker position committed. A crash anywhere
 replays the batch; the inbox turns the replay into no-ops.
 

@@ -335,23 +335,37 @@ class DriverStatement:
 
     ``keys`` are the parameters every call passes: the columns an insert or an update sets, and
     the update's own bound names. Every call must pass exactly those.
+
+    ``arrays``, on PostgreSQL, sends several rows as one statement (see :class:`ArrayRows`)
+    instead of an executemany.
     """
 
-    def __init__(self, statement: sa.Insert | sa.Update, keys: Sequence[str]) -> None:
+    def __init__(
+        self,
+        statement: sa.Insert | sa.Update,
+        keys: Sequence[str],
+        *,
+        arrays: ArrayRows | None = None,
+    ) -> None:
         self.statement = statement
         self.keys = tuple(keys)
+        self.arrays = arrays
         self._texts: weakref.WeakKeyDictionary[Dialect, str | None] = weakref.WeakKeyDictionary()
 
     def execute(
         self, conn: Connection, params: dict[str, Any] | Sequence[dict[str, Any]]
     ) -> CursorResult[Any]:
-        """Execute with one row of parameters, or with several (executemany; a list of one row
-        goes as that row, which costs the driver less)."""
+        """Execute with one row of parameters, or with several (executemany, or one statement of
+        arrays; a list of one row goes as that row, which costs the driver less)."""
         if not isinstance(params, dict) and len(params) == 1:
             params = params[0]
         text = self._text(conn.dialect)
         if text is None or conn.get_execution_options().get("schema_translate_map"):
             return conn.execute(self.statement, params)
+        if self.arrays is not None and not isinstance(params, dict):
+            many = self.arrays.text(conn.dialect)  # None where the rows go as an executemany
+            if many is not None:
+                return conn.exec_driver_sql(many, self.arrays.params(params))
         return conn.exec_driver_sql(text, params)
 
     def _text(self, dialect: Dialect) -> str | None:
@@ -372,6 +386,116 @@ class DriverStatement:
             if bind.type.dialect_impl(dialect).bind_processor(dialect) is not None:
                 return None
         return str(compiled.string)
+
+
+def in_list(column: sa.ColumnElement[Any], name: str, *, array: bool) -> sa.ColumnElement[bool]:
+    """``column IN (:name)`` for a list bound at execution.
+
+    With ``array`` (PostgreSQL) the list is one array parameter (:class:`Array`, sent in
+    binary), ``column = ANY(:name)``: the SQL text never changes, where an expanded ``IN`` renders
+    and binds one parameter per element on every call (12.8 ms of client CPU for the order guard
+    of a 500-row batch, against 2.0 ms).
+    Elsewhere it is an expanding ``IN``, rendered per call but compiled once.
+    """
+    if array:
+        return column == sa.any_(sa.bindparam(name, type_=Array(column.type)))
+    return column.in_(sa.bindparam(name, expanding=True))
+
+
+class ArrayRows:
+    """Several rows of an insert or update as one statement on PostgreSQL: each parameter's
+    values go as one binary array, and ``unnest`` makes rows of them again on the server.
+
+    An executemany sends every row through psycopg's per-row path (parameters dumped and checked,
+    one Bind and Execute each), and the server starts the statement once per row. Measured with
+    the outbox's rows (one transaction of n rows each, alternated): at 100 rows 38 -> 29 us of
+    client CPU and 22 -> 11 us of server CPU per row; at 20 rows 47-53 -> 43 and 29-33 -> 21; at
+    5 rows the same client CPU and 52-56 against 55-60 us of server CPU. The text is the same for
+    any number of rows, so the server parses and plans it once per session.
+
+    Arrays are typed by the columns' base types (``text``, not ``varchar(64)``): an explicit cast
+    to ``varchar(64)`` would cut a longer value short, where assigning ``text`` to the column
+    refuses it, as an executemany's row would be refused.
+    """
+
+    def __init__(self, text: Callable[[Dialect], str], keys: Sequence[str]) -> None:
+        self._build = text
+        self.keys = tuple(keys)
+        self._texts: weakref.WeakKeyDictionary[Dialect, str] = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def insert(cls, table: sa.Table, keys: Sequence[str]) -> ArrayRows:
+        """``INSERT INTO table (keys) SELECT keys FROM unnest(...) ORDER BY`` their order: rows
+        take the table's ids in the order they were given, as an executemany's do."""
+
+        def text(dialect: Dialect) -> str:
+            columns = ", ".join(_quoted(dialect, key) for key in keys)
+            rows = _unnest(dialect, table, {key: key for key in keys}, ordinality=True)
+            return (
+                f"INSERT INTO {dialect.identifier_preparer.format_table(table)} ({columns}) "
+                f"SELECT {columns} FROM {rows} ORDER BY u.saga_engine_row"
+            )
+
+        return cls(text, keys)
+
+    @classmethod
+    def update(cls, table: sa.Table, keys: Sequence[str], where: Mapping[str, str]) -> ArrayRows:
+        """``UPDATE table SET key = u.key ... FROM unnest(...) AS u WHERE`` each column of
+        ``where`` equals its parameter (``{"id": "b_id"}``). The row count is the rows updated,
+        as an executemany's is; each row of the table must match at most one of the rows given."""
+        columns = {key: key for key in keys if key not in where.values()}
+        params = {**columns, **{param: column for column, param in where.items()}}
+
+        def text(dialect: Dialect) -> str:
+            name = dialect.identifier_preparer.format_table(table)
+            sets = ", ".join(f"{_quoted(dialect, c)} = u.{_quoted(dialect, c)}" for c in columns)
+            matches = " AND ".join(
+                f"{name}.{_quoted(dialect, column)} = u.{_quoted(dialect, param)}"
+                for column, param in where.items()
+            )
+            rows = _unnest(dialect, table, params, ordinality=False)
+            return f"UPDATE {name} SET {sets} FROM {rows} WHERE {matches}"
+
+        return cls(text, keys)
+
+    def text(self, dialect: Dialect) -> str | None:
+        """The statement's text, or None where the rows go as an executemany (not PostgreSQL)."""
+        if dialect.name != "postgresql":
+            return None
+        try:
+            return self._texts[dialect]
+        except KeyError:
+            text = self._texts[dialect] = self._build(dialect)
+            return text
+
+    def params(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One array per parameter, the rows' values in their order."""
+        return {key: _BinaryList([row[key] for row in rows]) for key in self.keys}
+
+
+def _quoted(dialect: Dialect, name: str) -> str:
+    return str(dialect.identifier_preparer.quote(name))
+
+
+def _unnest(
+    dialect: Dialect, table: sa.Table, params: Mapping[str, str], *, ordinality: bool
+) -> str:
+    """``unnest(%(p)s::type[], ...) AS u(p, ...)`` for parameters ``p`` of ``table``'s columns
+    (``params``: parameter -> column)."""
+    arrays = ", ".join(
+        f"%({param})s::{_array_item(dialect, table.c[column].type)}[]"
+        for param, column in params.items()
+    )
+    names = [_quoted(dialect, param) for param in params]
+    if ordinality:
+        return f"unnest({arrays}) WITH ORDINALITY AS u({', '.join(names)}, saga_engine_row)"
+    return f"unnest({arrays}) AS u({', '.join(names)})"
+
+
+def _array_item(dialect: Dialect, type_: sa.types.TypeEngine[Any]) -> str:
+    if isinstance(type_, sa.String):  # Text too: no length, see ArrayRows
+        return "text"
+    return str(type_.compile(dialect=dialect))
 
 
 def insert_new_keys(

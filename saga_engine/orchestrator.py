@@ -5,7 +5,7 @@ reply (or the deadline), run any local steps, write the next command to the outb
 with its version check. The consumer loop around :meth:`Orchestrator.on_reply` adds the inbox
 record to the same transaction, so a duplicate reply changes nothing. It applies a whole batch of
 replies in one transaction inside :meth:`Orchestrator.batch`, which reads their sagas with one
-statement and writes their commands and new states with one executemany each; a batch that fails
+statement and writes their commands and new states with one statement each; a batch that fails
 is applied again one reply per transaction.
 
 Forward, the saga runs its steps in order, skipping those whose condition is false; the compensatable
@@ -146,7 +146,7 @@ class Orchestrator:
         """Apply the replies ``envelopes`` with :meth:`on_reply` inside this block, as one unit.
 
         Their sagas are read with one statement when the block begins; the commands they send and
-        their new states are written with one executemany each when it ends, still inside ``conn``'s
+        their new states are written with one statement each when it ends, still inside ``conn``'s
         transaction, so they commit together with everything else the replies did. If the block
         raises, nothing is written (the caller rolls the transaction back). A saga another worker
         changed meanwhile fails the whole block with :class:`errors.ConcurrentUpdate`.

@@ -114,7 +114,7 @@ class ParticipantService:
     @contextlib.contextmanager
     def batch(self, conn: Connection, envelopes: Sequence[Envelope]) -> Iterator[None]:
         """Handle the commands ``envelopes`` with :meth:`handle` inside this block, as one unit:
-        their replies are written to the outbox with one executemany when it ends, in ``conn``'s
+        their replies are written to the outbox with one insert when it ends, in ``conn``'s
         transaction. Messages a handler adds itself are written at once, inside its savepoint,
         so a rejection still takes them back. If the block raises, no reply is written."""
         replies = self.writer.pending()

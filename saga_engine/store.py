@@ -84,17 +84,23 @@ def carried_row(instance: SagaInstance, now: datetime) -> dict[str, Any]:
 #: a fraction of what a ``RowMapping`` does (it makes a view of its keys on every access).
 _SELECT = sa.select(*(s.c[name] for name in _FIELDS))
 _LOAD = _SELECT.where(s.c.id == sa.bindparam("saga_id"))
-_LOAD_MANY = _SELECT.where(s.c.id.in_(sa.bindparam("saga_ids", expanding=True)))
+#: By a list of ids: one array parameter on PostgreSQL (see ``db.in_list``), where an expanding
+#: ``IN`` renders and binds a new text for every number of ids a batch reads.
+_LOAD_MANY = {
+    array: _SELECT.where(db.in_list(s.c.id, "saga_ids", array=array)) for array in (True, False)
+}
 #: ``inline``: no ``RETURNING``; the id is the instance's own.
 _INSERT = db.DriverStatement(s.insert().inline(), _FIELDS)
 #: What a save never changes.
 _KEPT = ("id", "created_at")
 #: ``SET`` takes every column the parameters name: all but ``_KEPT``.
+_SAVE_KEYS = [*(name for name in _FIELDS if name not in _KEPT), "b_id", "b_read_version"]
 _SAVE = db.DriverStatement(
     sa.update(s).where(
         s.c.id == sa.bindparam("b_id"), s.c.version == sa.bindparam("b_read_version")
     ),
-    [*(name for name in _FIELDS if name not in _KEPT), "b_id", "b_read_version"],
+    _SAVE_KEYS,
+    arrays=db.ArrayRows.update(s, _SAVE_KEYS, where={"id": "b_id", "version": "b_read_version"}),
 )
 
 
@@ -107,7 +113,8 @@ def load_many(conn: Connection, saga_ids: Sequence[str]) -> dict[str, SagaInstan
     """The instances of ``saga_ids`` that exist, by id, read with one statement."""
     if not saga_ids:
         return {}
-    rows = conn.execute(_LOAD_MANY, {"saga_ids": list(set(saga_ids))}).all()
+    array = conn.dialect.name == "postgresql"
+    rows = conn.execute(_LOAD_MANY[array], {"saga_ids": list(set(saga_ids))}).all()
     instances = (_instance(row) for row in rows)
     return {instance.id: instance for instance in instances}
 
@@ -126,7 +133,8 @@ def save(conn: Connection, instance: SagaInstance, now: datetime) -> None:
 
 def save_many(conn: Connection, changes: Sequence[tuple[SagaInstance, int]], now: datetime) -> None:
     """Write each ``(instance, version it was read at)`` if its row still has that version, with
-    one (executemany) statement; set the instances' versions to the one after it.
+    one statement (see ``db.ArrayRows``; an executemany off PostgreSQL); set the instances'
+    versions to the one after it.
 
     Raises :class:`errors.ConcurrentUpdate` if any row had changed: the caller's transaction must
     then be rolled back, since the other rows were written.

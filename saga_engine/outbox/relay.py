@@ -537,7 +537,7 @@ class MarkStatements:
         """The marks for ``server`` (one of ``SERVERS``), of a leased (``owned``) batch or not."""
         array = server == "postgresql"
         now = sa.bindparam("now", type_=t.c.sent_at.type)
-        ids = claims.in_list(t.c.id, "ids", array=array)
+        ids = db.in_list(t.c.id, "ids", array=array)
         acknowledged = [ids]
         failed = sa.update(t).where(t.c.id == sa.bindparam("row_id"))
         if owned:

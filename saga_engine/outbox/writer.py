@@ -47,7 +47,7 @@ COLUMNS = (
     "created_at",
     "updated_at",
 )
-_DRIVER_INSERT = db.DriverStatement(INSERT, COLUMNS)
+_DRIVER_INSERT = db.DriverStatement(INSERT, COLUMNS, arrays=db.ArrayRows.insert(t, COLUMNS))
 
 #: ``json.dumps(..., separators=(",", ":"), ensure_ascii=False)`` and the same with ASCII:
 #: ``json.dumps`` with options builds a new encoder on every call.
@@ -78,12 +78,13 @@ class OutboxWriter:
         self.add_many(tx, (envelope,))
 
     def add_many(self, tx: Session | Connection, envelopes: Iterable[Envelope]) -> None:
-        """Add several messages with one (executemany) insert."""
+        """Add several messages with one insert (see ``db.ArrayRows``; an executemany off
+        PostgreSQL)."""
         now = self.clock.now()
         self._insert(tx, [self._row(envelope, now) for envelope in envelopes])
 
     def pending(self) -> PendingMessages:
-        """An empty list of messages to add later, all with one executemany (see PendingMessages)."""
+        """An empty list of messages to add later, all with one insert (see PendingMessages)."""
         return PendingMessages(self)
 
     def _insert(self, tx: Session | Connection, rows: list[dict[str, Any]]) -> None:
@@ -122,13 +123,13 @@ class OutboxWriter:
 
 
 class PendingMessages:
-    """Messages checked and turned into outbox rows now, inserted later with one executemany.
+    """Messages checked and turned into outbox rows now, inserted later with one statement.
 
     The engine's consumers collect the messages a whole batch sends (an orchestrator's commands, a
     participant's replies) and write them just before the batch commits: one call and one round
-    trip (pipelined on PostgreSQL) instead of one per message. Each row is built when it is added,
-    so a payload over the limit fails the message that sent it. Rows keep the order they were added
-    in.
+    trip instead of one per message (on PostgreSQL one statement of arrays, else pipelined). Each
+    row is built when it is added, so a payload over the limit fails the message that sent it.
+    Rows keep the order they were added in.
     """
 
     def __init__(self, writer: OutboxWriter) -> None:
