@@ -281,7 +281,7 @@ class Bench:
             "the machine's CPU per message",
             "ms",
         )
-        report.figure(
+        report.rest(
             f"{key}_other_cpu_ms_per_message",
             (spent.machine - known) * per_message,
             "  the rest (the database, if it runs here)",

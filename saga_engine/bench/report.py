@@ -64,6 +64,18 @@ class Report:
         print(line.rstrip(), file=self.out, flush=True)
         return value
 
+    def rest(self, key: str, value: float, label: str, unit: str) -> float:
+        """The machine's CPU left after the processes measured on their own, which the database
+        (when it runs here) takes. Said to be unreliable when it comes out below zero."""
+        self.figure(key, value, label, unit)
+        if value < 0:
+            # /proc/stat counts the machine in clock ticks; getrusage counts a process exactly.
+            self.note(
+                "(below zero: the machine's total, counted in clock ticks, fell short of the "
+                "processes' exact CPU; this split is not reliable)"
+            )
+        return value
+
     def ratio(self, key: str, numerator: float, denominator: float, label: str) -> float:
         value = numerator / denominator if denominator else math.nan
         self.figure(key, value, label, "x")

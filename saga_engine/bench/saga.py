@@ -303,7 +303,7 @@ class Bench:
         report.figure(
             "machine_cpu_ms_per_saga", cpu.machine * per_saga, "the machine's CPU per saga", "ms"
         )
-        report.figure(
+        report.rest(
             "other_cpu_ms_per_saga",
             (cpu.machine - known) * per_saga,
             "  the rest (the database, if it runs here)",
