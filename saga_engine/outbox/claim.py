@@ -224,7 +224,7 @@ def update_by_primary_key(update: sa.Update) -> sa.Update:
     return update
 
 
-def delete_by_primary_key(*, owned: bool) -> sa.TextClause:
+def delete_by_primary_key(*, owned: bool) -> sa.Delete:
     """``DELETE`` of the outbox row ``:id`` (if it is still leased to ``:token``, when
     ``owned``), for MySQL and MariaDB: run once per row by :func:`delete_rows`."""
     return _DELETE_ONE[owned]
@@ -247,8 +247,12 @@ def delete_rows(conn: Connection, row_ids: Sequence[int], token: str | None = No
     return conn.execute(_DELETE_ONE[token is not None], rows).rowcount
 
 
+#: A construct, not text: a connection's ``schema_translate_map`` names the table it deletes from.
 _DELETE_ONE = {
-    owned: sa.text(f"DELETE FROM {t.name} WHERE id = :id" + (" AND claimed_by = :token" * owned))
+    owned: sa.delete(t).where(
+        t.c.id == sa.bindparam("id", type_=t.c.id.type),
+        *([t.c.claimed_by == sa.bindparam("token", type_=t.c.claimed_by.type)] if owned else []),
+    )
     for owned in (False, True)
 }
 

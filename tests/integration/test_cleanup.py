@@ -295,3 +295,31 @@ def test_the_cli_prunes_the_history_after_its_retention_unless_told_to_keep_it(
     assert json.loads(done.stdout)["history"] == 1 and history() == [3, 4]
     refused = run("--history-retention-days", "0")
     assert refused.returncode != 0 and "--history-retention-days" in refused.stderr
+
+
+@pytest.mark.mariadb
+def test_cleanup_on_mariadb_deletes_where_a_schema_translate_map_points(
+    mariadb_url: str, engines: list[object]
+) -> None:
+    """MariaDB's row-by-row DELETE is a construct: a mapped connection deletes from its schema."""
+    engine = setup(mariadb_url, engines)
+    elsewhere = f"{engine.url.database}_elsewhere"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE `{elsewhere}`")
+        conn.exec_driver_sql(f"CREATE TABLE `{elsewhere}`.outbox_messages LIKE outbox_messages")
+    try:
+        moved = engine.execution_options(schema_translate_map={None: elsewhere})
+        now = datetime(2030, 6, 1, 12, 0, 0)
+        for target in (engine, moved):  # the same ids in both tables
+            with target.begin() as conn:
+                conn.execute(t.insert(), [row(SENT, timedelta(days=8), now, n) for n in range(3)])
+
+        assert cleanup(moved, clock=ClockDouble(now)).deleted == 2  # the newest row stays
+
+        with engine.connect() as conn:
+            count = "SELECT count(*) FROM {}.outbox_messages"
+            assert conn.exec_driver_sql(count.format(f"`{elsewhere}`")).scalar() == 1
+            assert conn.exec_driver_sql(count.format(f"`{engine.url.database}`")).scalar() == 3
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE `{elsewhere}`")

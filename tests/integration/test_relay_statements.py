@@ -222,7 +222,7 @@ def assert_deleted_by_primary_key(engine: sa.Engine, sql: str, params: Any, rows
     """On MySQL and MariaDB one DELETE per row, by primary key: a DELETE of a list of ids may
     read (and wait for) rows another relay holds, and deadlock. Elsewhere one DELETE of the list."""
     if engine.dialect.name in ("mysql", "mariadb"):
-        assert sql.startswith(f"DELETE FROM {t.name} WHERE id = %(id)s")
+        assert sql.startswith(f"DELETE FROM {t.name} WHERE {t.name}.id = %(id)s")
         assert isinstance(params, list | tuple) and len(params) == rows  # one executemany
     else:
         assert "id IN (" in sql

@@ -178,11 +178,11 @@ def test_locking_reads_go_through_the_primary_key_on_mysql() -> None:
 @pytest.mark.parametrize("owned", [False, True])
 def test_deletes_of_acknowledged_rows_take_one_row_by_primary_key_on_mysql(owned: bool) -> None:
     """A DELETE of a list of ids may read rows other relays hold, and wait for them: deadlocks."""
-    mine = " AND claimed_by = %s" if owned else ""
+    mine = " AND outbox_messages.claimed_by = %s" if owned else ""
     marks = relays._MARKS["mysql", owned]
     assert marks.delete_per_row and marks.archived[-1] is marks.deleted
     assert sql_of(marks.deleted, mysql.pymysql.dialect()) == (
-        f"DELETE FROM outbox_messages WHERE id = %s{mine}"
+        f"DELETE FROM outbox_messages WHERE outbox_messages.id = %s{mine}"
     )
     other = relays._MARKS["other", owned]
     assert not other.delete_per_row and "IN (" in sql_of(other.deleted, sqlite.dialect())
@@ -192,7 +192,7 @@ def test_cleanup_deletes_one_row_by_primary_key_on_mysql() -> None:
     from saga_engine.outbox import cleanup
 
     assert sql_of(claims.delete_by_primary_key(owned=False), mysql.pymysql.dialect()) == (
-        "DELETE FROM outbox_messages WHERE id = %s"
+        "DELETE FROM outbox_messages WHERE outbox_messages.id = %s"
     )
 
     class ConnectionDouble:  # records what cleanup sends to a MariaDB connection
