@@ -350,7 +350,11 @@ class DriverStatement:
         self.statement = statement
         self.keys = tuple(keys)
         self.arrays = arrays
-        self._texts: weakref.WeakKeyDictionary[Dialect, str | None] = weakref.WeakKeyDictionary()
+        #: Per dialect: the text of one row (None: run the compiled statement) and the text of
+        #: several (None: an executemany of the first).
+        self._texts: weakref.WeakKeyDictionary[Dialect, tuple[str | None, str | None]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def execute(
         self, conn: Connection, params: dict[str, Any] | Sequence[dict[str, Any]]
@@ -359,21 +363,22 @@ class DriverStatement:
         arrays; a list of one row goes as that row, which costs the driver less)."""
         if not isinstance(params, dict) and len(params) == 1:
             params = params[0]
-        text = self._text(conn.dialect)
-        if text is None or conn.get_execution_options().get("schema_translate_map"):
+        one, many = self._text(conn.dialect)
+        if one is None or conn.get_execution_options().get("schema_translate_map"):
             return conn.execute(self.statement, params)
-        if self.arrays is not None and not isinstance(params, dict):
-            many = self.arrays.text(conn.dialect)  # None where the rows go as an executemany
-            if many is not None:
-                return conn.exec_driver_sql(many, self.arrays.params(params))
-        return conn.exec_driver_sql(text, params)
+        if many is not None and not isinstance(params, dict):
+            assert self.arrays is not None  # only an ArrayRows gives a text of several rows
+            return conn.exec_driver_sql(many, self.arrays.params(params))
+        return conn.exec_driver_sql(one, params)
 
-    def _text(self, dialect: Dialect) -> str | None:
+    def _text(self, dialect: Dialect) -> tuple[str | None, str | None]:
         try:
             return self._texts[dialect]
         except KeyError:
-            text = self._texts[dialect] = self._compile(dialect)
-            return text
+            one = self._compile(dialect)
+            arrays = self.arrays if one is not None and uses_arrays(dialect) else None
+            texts = self._texts[dialect] = (one, arrays.text(dialect) if arrays else None)
+            return texts
 
     def _compile(self, dialect: Dialect) -> str | None:
         if dialect.paramstyle not in ("pyformat", "named"):  # rows are dicts: named parameters
@@ -386,6 +391,12 @@ class DriverStatement:
             if bind.type.dialect_impl(dialect).bind_processor(dialect) is not None:
                 return None
         return str(compiled.string)
+
+
+def uses_arrays(dialect: Dialect) -> bool:
+    """Whether lists are bound as arrays (PostgreSQL) rather than as expanded ``IN`` lists, and
+    several rows sent as one statement of arrays (:class:`ArrayRows`)."""
+    return dialect.name == "postgresql"
 
 
 def in_list(column: sa.ColumnElement[Any], name: str, *, array: bool) -> sa.ColumnElement[bool]:
@@ -419,9 +430,9 @@ class ArrayRows:
     """
 
     def __init__(self, text: Callable[[Dialect], str], keys: Sequence[str]) -> None:
-        self._build = text
+        #: The statement's text for a PostgreSQL dialect (``DriverStatement`` keeps it).
+        self.text = text
         self.keys = tuple(keys)
-        self._texts: weakref.WeakKeyDictionary[Dialect, str] = weakref.WeakKeyDictionary()
 
     @classmethod
     def insert(cls, table: sa.Table, keys: Sequence[str]) -> ArrayRows:
@@ -443,8 +454,8 @@ class ArrayRows:
         """``UPDATE table SET key = u.key ... FROM unnest(...) AS u WHERE`` each column of
         ``where`` equals its parameter (``{"id": "b_id"}``). The row count is the rows updated,
         as an executemany's is; each row of the table must match at most one of the rows given."""
-        columns = {key: key for key in keys if key not in where.values()}
-        params = {**columns, **{param: column for column, param in where.items()}}
+        columns = [key for key in keys if key not in where.values()]
+        params = {**{c: c for c in columns}, **{param: column for column, param in where.items()}}
 
         def text(dialect: Dialect) -> str:
             name = dialect.identifier_preparer.format_table(table)
@@ -457,16 +468,6 @@ class ArrayRows:
             return f"UPDATE {name} SET {sets} FROM {rows} WHERE {matches}"
 
         return cls(text, keys)
-
-    def text(self, dialect: Dialect) -> str | None:
-        """The statement's text, or None where the rows go as an executemany (not PostgreSQL)."""
-        if dialect.name != "postgresql":
-            return None
-        try:
-            return self._texts[dialect]
-        except KeyError:
-            text = self._texts[dialect] = self._build(dialect)
-            return text
 
     def params(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One array per parameter, the rows' values in their order."""

@@ -113,8 +113,8 @@ def load_many(conn: Connection, saga_ids: Sequence[str]) -> dict[str, SagaInstan
     """The instances of ``saga_ids`` that exist, by id, read with one statement."""
     if not saga_ids:
         return {}
-    array = conn.dialect.name == "postgresql"
-    rows = conn.execute(_LOAD_MANY[array], {"saga_ids": list(set(saga_ids))}).all()
+    statement = _LOAD_MANY[db.uses_arrays(conn.dialect)]
+    rows = conn.execute(statement, {"saga_ids": list(set(saga_ids))}).all()
     instances = (_instance(row) for row in rows)
     return {instance.id: instance for instance in instances}
 

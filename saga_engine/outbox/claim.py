@@ -261,13 +261,8 @@ _ARRAY_STATEMENTS = Statements.build(array=True)
 _LIST_STATEMENTS = Statements.build(array=False)
 
 
-def uses_arrays(conn: Connection) -> bool:
-    """Whether ``conn`` binds lists as arrays (PostgreSQL) rather than expanded ``IN`` lists."""
-    return conn.dialect.name == "postgresql"
-
-
 def statements(conn: Connection) -> Statements:
-    return _ARRAY_STATEMENTS if uses_arrays(conn) else _LIST_STATEMENTS
+    return _ARRAY_STATEMENTS if db.uses_arrays(conn.dialect) else _LIST_STATEMENTS
 
 
 @dataclasses.dataclass
@@ -392,7 +387,7 @@ def order_guard(conn: Connection, rows: Sequence[Any]) -> list[Any]:
     keys = list(dict.fromkeys(row.partition_key for row in rows))
     params = {"keys": keys, "ids": claimed, "max_id": max(claimed)}
     large = len(rows) >= CUSTOM_PLANS_FROM
-    if large and uses_arrays(conn) and not conn.info.get(PLANS_EACH_EXECUTION):
+    if large and db.uses_arrays(conn.dialect) and not conn.info.get(PLANS_EACH_EXECUTION):
         conn.exec_driver_sql(CUSTOM_PLANS)
     blockers: dict[str, int] = dict(conn.execute(statements(conn).guard, params).all())
     if not blockers:

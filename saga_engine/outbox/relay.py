@@ -672,7 +672,7 @@ def mark_statements(conn: Connection, *, owned: bool) -> MarkStatements:
 
 
 def _server(conn: Connection) -> str:
-    if claims.uses_arrays(conn):
+    if db.uses_arrays(conn.dialect):
         return "postgresql"
     return "mysql" if db.dialect_name(conn) == "mysql" else "other"
 
