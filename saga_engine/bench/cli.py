@@ -148,6 +148,13 @@ def _saga(sub: Any) -> None:
         "--workers", type=int, default=2, help="worker processes (K, default %(default)s)"
     )
     parser.add_argument(
+        "--layout",
+        choices=["services", "replicas"],
+        default="services",
+        help="services (default): the first worker runs the orchestrator, relay, deadlines and "
+        "cleanup, the others the participants; replicas: every worker runs every role",
+    )
+    parser.add_argument(
         "--compensate",
         type=float,
         default=0.1,
@@ -196,6 +203,7 @@ def run_saga(args: argparse.Namespace) -> int:
         broker=args.broker,
         sagas=args.sagas,
         workers=args.workers,
+        layout=args.layout,
         compensate=args.compensate,
         rate=args.rate,
         placers=args.placers,

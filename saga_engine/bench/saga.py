@@ -54,6 +54,23 @@ SAGAS = {
 }
 
 
+#: ``--layout``: the roles of the ``--workers`` processes.
+#: ``services``: as the services would run them. The first worker runs the orchestrating service's
+#: roles (``orchestrator``, ``relay``, ``deadlines``, ``cleanup``; its relay delivers the one
+#: outbox every service of the bench writes to), the others the participants. One worker runs
+#: every role. ``replicas``: every worker runs every role, each consumer of each role taking a
+#: share of the partitions.
+LAYOUTS = ("services", "replicas")
+ORCHESTRATING_ROLES = "orchestrator,relay,deadlines,cleanup"
+
+
+def worker_roles(layout: str, count: int) -> list[str | None]:
+    """The ``--roles`` of each of ``count`` workers under ``layout`` (None: every role)."""
+    if layout == "replicas" or count == 1:
+        return [None] * count
+    return [ORCHESTRATING_ROLES, *["participants"] * (count - 1)]
+
+
 @dataclasses.dataclass
 class Options:
     db: str
@@ -72,11 +89,17 @@ class Options:
     timeout: float = 300.0
     keep_db: bool = False
     setup_sql: tuple[str, ...] = ()
+    #: How the roles are spread over the workers (:data:`LAYOUTS`).
+    layout: str = "services"
 
     def __post_init__(self) -> None:
         if min(self.sagas, self.workers, self.peer_sagas, self.placers) < 1:
             raise errors.ConfigurationError(
                 "--sagas, --workers, --peer-sagas and --placers must be >= 1"
+            )
+        if self.layout not in LAYOUTS:
+            raise errors.ConfigurationError(
+                f"--layout must be one of {', '.join(LAYOUTS)}, not {self.layout!r}"
             )
         if not 0 <= self.compensate <= 1:
             raise errors.ConfigurationError("--compensate must be within 0..1")
@@ -141,6 +164,7 @@ class Bench:
         report.figure("saga", self.module.__name__, "saga module")
         report.figure("sagas", o.sagas, "sagas")
         report.figure("workers", o.workers, "worker processes (K)")
+        report.figure("layout", o.layout, "roles: as services, or every role in every worker")
         placers = o.placers if o.rate is None else 1
         report.figure("placers", placers, "sessions placing orders side by side")
         report.figure("compensate_share", o.compensate, "share declined at payment")
@@ -149,7 +173,8 @@ class Bench:
         self.app.create_tables(self.engine)
         self.module.seed(self.engine, orders=o.sagas + 2 * WARMUP_SAGAS)
         env.run_setup_sql(self.engine, o.setup_sql, report.note)
-        with workers(self.url, self.broker.url, o.app, o.workers) as (procs, logs):
+        roles = worker_roles(o.layout, o.workers)
+        with workers(self.url, self.broker.url, o.app, roles) as (procs, logs):
             self.logs = logs
             self._warm_up()
             cpu_before = [env.cpu_seconds(p.pid) for p in procs]
@@ -380,18 +405,22 @@ class Cpu:
 
 @contextmanager
 def workers(
-    url: str, broker_url: str, app: str, count: int
+    url: str, broker_url: str, app: str, roles: list[str | None]
 ) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[IO[bytes]]]]:
-    """``count`` ``saga-engine worker`` processes with every role; stopped (SIGTERM) afterwards."""
+    """One ``saga-engine worker`` process for each entry of ``roles``, with those roles (None:
+    every role); stopped (SIGTERM) afterwards."""
     command = [*saga_engine_command(), "worker", "--app", app, "--db", url, "--broker", broker_url]
     logs: list[IO[bytes]] = []
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        for _ in range(count):
+        for own in roles:
             logs.append(tempfile.TemporaryFile())  # noqa: SIM115 - closed in finally
             procs.append(
                 subprocess.Popen(
-                    command, stdin=subprocess.DEVNULL, stdout=logs[-1], stderr=subprocess.STDOUT
+                    command if own is None else [*command, "--roles", own],
+                    stdin=subprocess.DEVNULL,
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
                 )
             )
         yield procs, logs

@@ -104,11 +104,14 @@ def test_bench_saga_outline_runs_the_peers_four_steps_through_the_engine(
     pg_url: str, kafka_url: str, tmp_path: Path
 ) -> None:
     setup = "ALTER TABLE saga_instances SET (fillfactor = 80)"  # how an experiment is tried
+    # Two workers in the default layout: one runs the orchestrating roles, one the participants,
+    # so every saga's commands and replies cross from one process to the other.
     figures, output = small_saga_run(
-        tmp_path, pg_url, kafka_url, "--saga", "outline", "--setup-sql", setup
+        tmp_path, pg_url, kafka_url, "--saga", "outline", "--workers", "2", "--setup-sql", setup
     )
     assert f"setup SQL: {setup}" in output
     assert figures["saga"] == "sagas.order_outline"
+    assert (figures["workers"], figures["layout"]) == (2, "services")
     assert figures["placers"] == 8  # back to back: the orders are placed from 8 sessions
     assert (figures["completed"], figures["compensated"]) == (18, 2)
     assert figures["unfinished"] == figures["failed"] == figures["invariant_violations"] == 0
