@@ -1,10 +1,10 @@
 """``saga-engine bench saga``: the order saga end to end on K worker processes, and the peer.
 
-The workers are ``saga-engine worker --app sagas.app:app`` processes (every role: orchestrator,
-participants, relay, deadlines), sharing one scratch database and one Kafka broker. After a warm-up
-(every consumer group joined, every producer connected), the bench places N orders, each in its own
-transaction, one in ten declined at payment so the saga compensates, and waits until every saga has
-ended. Figures: sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga
+The workers are ``saga-engine worker --app sagas.app:app`` processes sharing one scratch database
+and one Kafka broker, laid out as services (:data:`LAYOUTS`): the first runs the orchestrator,
+relay, deadlines and cleanup, the others the participants. After a warm-up (every consumer group
+joined, every producer connected), the bench places N orders, each in its own transaction, one in
+ten declined at payment so the saga compensates, and waits until every saga has ended. Figures: sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga
 latency (``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS; CPU
 per saga of the workers, the placing, the broker it started, the whole machine and the rest (the
 database, when it runs here); states, duplicates, dead letters and the saga's business invariants.
