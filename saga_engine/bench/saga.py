@@ -4,10 +4,11 @@ The workers are ``saga-engine worker --app sagas.app:app`` processes sharing one
 and one Kafka broker, laid out as services (:data:`LAYOUTS`): the first runs the orchestrator,
 relay, deadlines and cleanup, the others the participants. After a warm-up (every consumer group
 joined, every producer connected), the bench places N orders, each in its own transaction, one in
-ten declined at payment so the saga compensates, and waits until every saga has ended. Figures: sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga
-latency (``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS; CPU
-per saga of the workers, the placing, the broker it started, the whole machine and the rest (the
-database, when it runs here); states, duplicates, dead letters and the saga's business invariants.
+ten declined at payment so the saga compensates, and waits until every saga has ended. Figures:
+sagas/s from the first saga's ``created_at`` to the last one's ``ended_at``; saga latency
+(``ended_at - created_at``) p50/p99; outbox messages per saga; the workers' peak RSS; CPU per saga
+of the workers, the placing, the broker it started, the whole machine and the rest (the database,
+when it runs here); states, duplicates, dead letters and the saga's business invariants.
 
 ``--peer temporal`` then runs the same saga on Temporal's dev server (in memory) in the same run and
 prints the ratio. Both are measured on the same machine, one after the other.
@@ -33,7 +34,7 @@ import sqlalchemy as sa
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from saga_engine import db, errors, schema
+from saga_engine import db, errors, schema, worker
 from saga_engine.bench import env
 from saga_engine.bench.report import Report, percentile
 from saga_engine.consumer import by_message_id
@@ -61,7 +62,8 @@ SAGAS = {
 #: every role. ``replicas``: every worker runs every role, each consumer of each role taking a
 #: share of the partitions.
 LAYOUTS = ("services", "replicas")
-ORCHESTRATING_ROLES = "orchestrator,relay,deadlines,cleanup"
+#: Every role but the participants', so a role the worker gains runs somewhere.
+ORCHESTRATING_ROLES = ",".join(role for role in worker.ROLES if role != "participants")
 
 
 def worker_roles(layout: str, count: int) -> list[str | None]:
