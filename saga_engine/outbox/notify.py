@@ -4,7 +4,9 @@ An AFTER INSERT trigger on ``outbox_messages`` (and ``transport_messages``) send
 commit. A listener thread on its own autocommit connection waits for them and sets an event; the
 relay waits on "notified OR poll interval OR stop". Notifications sent while the listener was
 disconnected are lost, which is why polling stays: after every reconnect the listener wakes the relay
-once so it looks for whatever arrived meanwhile.
+once so it looks for whatever arrived meanwhile. While a wake-up waits for its relay to take it,
+the listener reads nothing more: the NOTIFYs of that time say nothing new, and are read together
+once it is taken, so a busy relay's listener wakes about once per pass, not once per commit.
 
 A NOTIFY reaches every listener, so with several relays on one outbox each wake-up would start a
 pass in each of them, every pass carrying a share of the same few rows for the full cost of a claim,
@@ -65,6 +67,8 @@ class Wakeup:
         #: does), None (not tried on this connection yet, not connected, or no outbox table).
         self._lead_held: bool | None = None
         self._event = threading.Event()
+        #: Set each time a waiter takes the wake-up (see :meth:`_until_taken`).
+        self._taken = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -99,6 +103,7 @@ class Wakeup:
                 remaining if stop is None else min(remaining, STOP_CHECK_SECONDS)
             )
         self._event.clear()
+        self._taken.set()
         return woken and not (stop is not None and stop.is_set())
 
     def start(self) -> None:
@@ -142,8 +147,12 @@ class Wakeup:
                 self._try_lead_then_listen(conn, first=True)
                 probed = time.monotonic()
                 while not self._stopping.is_set():
+                    self._until_taken(LIVENESS_PROBE_SECONDS)
                     for _ in _notifies(conn):
+                        # One is enough: the rest say the same thing and wait in the socket,
+                        # to be read at once once the relay has taken this wake-up.
                         self._event.set()
+                        break
                     if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
                         # Liveness: a dead connection raises here. Until it leads, the probe is
                         # its next try for the lead (the leader's connection may have gone).
@@ -155,6 +164,24 @@ class Wakeup:
             finally:
                 # A lock held by a lost connection is the server's to free.
                 self._lead_held = None
+
+    def _until_taken(self, timeout: float) -> None:
+        """While a wake-up is pending, wait (up to ``timeout``) for the relay to take it.
+
+        Every commit that writes to the outbox sends a NOTIFY; under load hundreds a second reach
+        the listener while its relay is in a pass. Each read would wake this thread and take the
+        GIL from the worker's busy threads only to set an event already set, so the listener
+        reads again only when the relay has taken its wake-up, and then reads all that came
+        meanwhile at once. The timeout keeps the liveness probe running and the server's side
+        of the connection drained while a pass is held up (a broker outage).
+        """
+        deadline = time.monotonic() + timeout
+        while self._event.is_set() and not self._stopping.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._taken.wait(min(remaining, STOP_CHECK_SECONDS))
+            self._taken.clear()
 
     def _try_lead_then_listen(self, conn: Any, *, first: bool = False) -> None:
         """Try for the lead (when this listener takes part), then listen unless following.

@@ -651,6 +651,36 @@ def test_notify_wakes_the_relay_and_survives_a_killed_listener(
     assert relay.stats.errors == 0
 
 
+@pytest.mark.postgres
+def test_notifies_that_come_while_a_wake_up_is_pending_are_read_as_one(
+    pg_url: str, engines: list[object]
+) -> None:
+    """The listener leaves the socket alone while its wake-up waits to be taken: thirty commits
+    that come meanwhile are read at once after it is taken, and wake the relay once, not thirty
+    times."""
+    engine = make_engine(pg_url, engines)
+    wakeup = relay_wakeup(engine)
+    wakeup.start()
+    try:
+        _wait_for(lambda: _listener_pid(engine), 5)
+        assert wakeup.wait(5.0)  # the wake-up that follows every LISTEN
+        with engine.connect() as conn:
+            conn.execute(sa.text("NOTIFY saga_engine_outbox"))
+            conn.commit()
+            time.sleep(0.3)  # the listener has read it and set the wake-up
+            for _ in range(30):
+                conn.execute(sa.text("NOTIFY saga_engine_outbox"))
+                conn.commit()
+        time.sleep(0.3)
+        assert wakeup.wait(0.05)  # the first one
+        # The thirty were not read while the first was pending (else they would have folded
+        # into it): they wake the relay now, once.
+        assert wakeup.wait(2.0)
+        assert not wakeup.wait(0.3)
+    finally:
+        wakeup.stop()
+
+
 # -- 12. Of several listening relays, one leads -------------------------------------------------
 
 
