@@ -149,8 +149,8 @@ class Wakeup:
                 while not self._stopping.is_set():
                     self._until_taken(LIVENESS_PROBE_SECONDS)
                     for _ in _notifies(conn):
-                        # One is enough: the rest say the same thing and wait in the socket,
-                        # to be read at once once the relay has taken this wake-up.
+                        # One is enough: the rest say the same thing. They wait in the socket
+                        # and are read together after the relay has taken this wake-up.
                         self._event.set()
                         break
                     if time.monotonic() - probed >= LIVENESS_PROBE_SECONDS:
