@@ -67,7 +67,7 @@ class Wakeup:
         #: does), None (not tried on this connection yet, not connected, or no outbox table).
         self._lead_held: bool | None = None
         self._event = threading.Event()
-        #: Set each time a waiter takes the wake-up (see :meth:`_until_taken`).
+        #: Set each time a waiter takes the wake-up, and by :meth:`stop` (see :meth:`_until_taken`).
         self._taken = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,6 +118,7 @@ class Wakeup:
     def stop(self) -> None:
         self._stopping.set()
         self._event.set()
+        self._taken.set()  # a listener waiting for its wake-up to be taken stops waiting
         if self._thread is not None:
             self._thread.join(LIVENESS_PROBE_SECONDS + 1)
             self._thread = None
@@ -180,7 +181,7 @@ class Wakeup:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            self._taken.wait(min(remaining, STOP_CHECK_SECONDS))
+            self._taken.wait(remaining)  # set by wait() and by stop()
             self._taken.clear()
 
     def _try_lead_then_listen(self, conn: Any, *, first: bool = False) -> None:
