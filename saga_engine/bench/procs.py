@@ -23,10 +23,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from saga_engine import clock, errors
 from saga_engine.outbox.relay import BatchOutcome, Relay
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from saga_engine.outbox.writer import OutboxWriter
 
 Spec = dict[str, Any]
 Result = dict[str, Any]
@@ -454,29 +459,36 @@ class _Stream:
         self.error = ""
 
     def run(self) -> None:
-        from saga_engine.bench import workload
         from saga_engine.outbox.writer import OutboxWriter
 
         writer = OutboxWriter()
         start = time.monotonic() + self.phase / self.rate
         try:
-            for i in range(self.total):
-                delay = start + i / self.rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
-                key = f"{self.spec.get('key_prefix', 'order')}-{self.name}-{i}"
-                envelope = workload.envelope(self.spec["topic"], key, self.spec["payload_bytes"])
-                with self.engine.begin() as conn:
-                    workload.insert_order(conn, key)
-                    writer.add(conn, envelope)
-                self.commits.append((envelope.message_id, time.time()))
-                with self.ch.progress.get_lock():
-                    self.ch.progress.value += 1
-                if self.ch.stop.is_set():
-                    break
+            # One connection for the whole run: a pool checkout and return per message cost
+            # about 0.1 ms of client CPU, which the writers would take from the relay they measure.
+            with self.engine.connect() as conn:
+                self._write(conn, writer, start)
         except Exception as error:
             self.error = f"{type(error).__name__}: {error}"
         self.behind = max(0.0, time.monotonic() - (start + self.total / self.rate))
+
+    def _write(self, conn: Connection, writer: OutboxWriter, start: float) -> None:
+        from saga_engine.bench import workload
+
+        for i in range(self.total):
+            delay = start + i / self.rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            key = f"{self.spec.get('key_prefix', 'order')}-{self.name}-{i}"
+            envelope = workload.envelope(self.spec["topic"], key, self.spec["payload_bytes"])
+            with conn.begin():
+                workload.insert_order(conn, key)
+                writer.add(conn, envelope)
+            self.commits.append((envelope.message_id, time.time()))
+            with self.ch.progress.get_lock():
+                self.ch.progress.value += 1
+            if self.ch.stop.is_set():
+                break
 
 
 def bulk_writer_child(spec: Spec, ch: Channels, ready: Ready) -> Result:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy import Connection
 
-from saga_engine import clock
+from saga_engine import clock, db
 from saga_engine.messages import Envelope
 
 metadata = sa.MetaData()
@@ -60,9 +60,15 @@ def order_key(index: int) -> str:
     return f"order-{index:09d}"
 
 
+#: The business insert as the driver's SQL, with no ``RETURNING`` of the new id: the bench's
+#: writers share the machine with the relay they measure, so their transaction should cost what
+#: an application's hot path costs, not what SQLAlchemy's generic path does (it fetches the new
+#: primary key and sets up a result: 0.15-0.2 ms of client CPU per transaction here).
+_ORDER_INSERT = db.DriverStatement(bench_orders.insert(), ("order_id", "amount", "created_at"))
+
+
 def insert_order(conn: Connection, order_id: str) -> None:
     """The business change of the latency bench's transaction: one row."""
-    conn.execute(
-        bench_orders.insert(),
-        {"order_id": order_id, "amount": 2100, "created_at": clock.SYSTEM.now()},
+    _ORDER_INSERT.execute(
+        conn, {"order_id": order_id, "amount": 2100, "created_at": clock.SYSTEM.now()}
     )
