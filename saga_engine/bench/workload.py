@@ -63,7 +63,7 @@ def order_key(index: int) -> str:
 #: The business insert as the driver's SQL, with no ``RETURNING`` of the new id: the bench's
 #: writers share the machine with the relay they measure, so their transaction should cost what
 #: an application's hot path costs, not what SQLAlchemy's generic path does (it fetches the new
-#: primary key and sets up a result: 0.15-0.2 ms of client CPU per transaction here).
+#: primary key and sets up a result: about 0.2 ms of client CPU per transaction here).
 _ORDER_INSERT = db.DriverStatement(bench_orders.insert(), ("order_id", "amount", "created_at"))
 
 
