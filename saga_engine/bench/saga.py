@@ -458,9 +458,8 @@ def saga_engine_command() -> list[str]:
 
 # -- the peer ------------------------------------------------------------------------------------
 
-PEER_LINE = re.compile(
-    r"temporal: (\d+) sagas \((\d+) compensated\) in ([\d.]+)s = ([\d.]+) sagas/s"
-)
+#: The peer's last line. Its rate is matched, not read: it is rounded (see PeerResult.per_s).
+PEER_LINE = re.compile(r"temporal: (\d+) sagas \((\d+) compensated\) in ([\d.]+)s = [\d.]+ sagas/s")
 
 
 def run_temporal(options: Options, report: Report) -> float:
@@ -509,6 +508,7 @@ class PeerResult(NamedTuple):
 def peer_result(stdout: str) -> PeerResult | None:
     """The peer's result line in ``stdout``, or None if there is none with a time."""
     match = PEER_LINE.search(stdout)
-    if match is None or float(match[3]) <= 0:
+    if match is None:
         return None
-    return PeerResult(int(match[1]), int(match[2]), float(match[3]))
+    peer = PeerResult(int(match[1]), int(match[2]), float(match[3]))
+    return peer if peer.elapsed_s > 0 else None
