@@ -92,8 +92,8 @@ class StepClock:
 def step_of(conn: Connection, statement: object) -> str | None:
     """Which step of a locked (SKIP LOCKED) pass ``statement`` is, if it is one of them."""
     claim = claims.statements(conn)
-    if statement is claim.claim:
-        return "claim"
+    if statement is claim.claim or statement is claim.guarded_claim:
+        return "claim"  # on PostgreSQL with the guard in it
     if statement is claim.guard:
         return "guard"
     marks = relays.mark_statements(conn, owned=False)

@@ -10,7 +10,8 @@ still PENDING and is published again.
 decide who owns what. No transaction stays open while publishing; a dead relay's lease runs out.
 
 Both apply the same **order guard**: a claimed row is published only if every earlier unsent row of
-its partition key is in the same claim. An earlier row that another relay holds, or that waits in
+its partition key is in the same claim (on PostgreSQL the SKIP LOCKED claim carries it in its own
+statement, ``guarded_claim``). An earlier row that another relay holds, or that waits in
 retry backoff, is still PENDING in the table, so it blocks every later row of its key. Hence a later
 message of a key is never published before an earlier one (see docs/outbox.md, "Why order holds").
 
@@ -152,18 +153,23 @@ class Statements:
     guard: sa.Select[Any]
     lock: sa.Select[Any]
     release: sa.Update
+    #: PostgreSQL: ``claim`` and ``guard`` in one statement (:func:`guarded_claim`).
+    guarded_claim: sa.Select[Any] | None = None
 
     @classmethod
     def build(cls, *, array: bool) -> Statements:
         free = sa.or_(t.c.lease_until.is_(None), t.c.lease_until < _NOW)
         due = (IS_PENDING, t.c.next_retry_at <= _NOW, not_behind_backoff(_NOW, row_compare=array))
         id_in = db.in_list(t.c.id, "ids", array=array)
-        return cls(
-            claim=sa.select(*ROW_COLUMNS)
+        claim = (
+            sa.select(*ROW_COLUMNS)
             .where(*due)
             .order_by(t.c.id)
             .limit(_LIMIT)
-            .with_for_update(skip_locked=True),
+            .with_for_update(skip_locked=True)
+        )
+        return cls(
+            claim=claim,
             candidates=sa.select(t.c.id).where(*due, free).order_by(t.c.id).limit(_LIMIT),
             take=by_primary_key(
                 sa.select(*ROW_COLUMNS)
@@ -188,7 +194,52 @@ class Statements:
                 .where(id_in, t.c.claimed_by == _TOKEN)
                 .values(claimed_by=sa.null(), lease_until=sa.null())
             ),
+            guarded_claim=guarded_claim(claim) if array else None,
         )
+
+
+def guarded_claim(claim: sa.Select[Any]) -> sa.Select[Any]:
+    """PostgreSQL: the SKIP LOCKED ``claim`` and the order guard in one statement, which returns
+    only the claimed rows that may be published now.
+
+    One round trip fewer per pass than a claim and then :func:`order_guard`, each with its share
+    of client and server CPU, which at a steady rate (a few rows per pass) is most of what a pass
+    costs: in ``bench pass``, alternated, a one-row pass took 0.75-0.83 ms of the relay's CPU
+    against 0.97-1.11, and a 15-row pass 1.03-1.08 against 1.16-1.30.
+
+    The guard is :func:`order_guard`'s, its lists taken from the claim on the server: for each
+    key among the claimed rows, the earliest PENDING row that the claim does not hold; claimed
+    rows after it stay behind. Both parts are ``MATERIALIZED``, computed once: the claimed rows
+    are read, and locked, once, and those held back stay locked until the commit.
+
+    One statement reads one snapshot: the claimed rows and every earlier row of their keys are
+    seen as of the same moment, so with writers that serialise a key's writes an earlier row of a
+    claimed row is always visible to the guard (the guard must never read an older snapshot than
+    the claim's). A row that another relay delivers after that moment still counts as PENDING; it
+    only holds this pass's later rows of its key back, to the next pass.
+    """
+    claimed = claim.cte("claimed").prefix_with("MATERIALIZED")
+    earlier = t.alias("earlier")
+    claimed_keys = sa.func.array(sa.select(claimed.c.partition_key).scalar_subquery())
+    blockers = (
+        sa.select(earlier.c.partition_key, sa.func.min(earlier.c.id).label("blocker"))
+        .where(
+            earlier.c.status == status_literal(PENDING),
+            earlier.c.partition_key == sa.any_(claimed_keys),
+            earlier.c.id < sa.select(sa.func.max(claimed.c.id)).scalar_subquery(),
+            earlier.c.id.not_in(sa.select(claimed.c.id)),
+        )
+        .group_by(earlier.c.partition_key)
+        .cte("blockers")
+        .prefix_with("MATERIALIZED")
+    )
+    by_key = claimed.outerjoin(blockers, blockers.c.partition_key == claimed.c.partition_key)
+    return (
+        sa.select(*claimed.c)
+        .select_from(by_key)
+        .where(sa.or_(blockers.c.blocker.is_(None), claimed.c.id < blockers.c.blocker))
+        .order_by(claimed.c.id)
+    )
 
 
 #: SQLAlchemy's names for MySQL and MariaDB, for hints only they understand.
@@ -293,11 +344,15 @@ class SkipLockedClaim(ClaimStrategy):
     @contextlib.contextmanager
     def claim(self, engine: Engine, limit: int, now: datetime) -> Iterator[Claim]:
         with engine.connect() as conn, conn.begin():
-            if db.dialect_name(conn) == "mysql":
-                # REPEATABLE READ would let the order guard read a snapshot older than the locks.
-                conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            rows = _outbox_rows(conn.execute(statements(conn).claim, {"now": now, "limit": limit}))
-            publishable = order_guard(conn, rows)
+            stmts = statements(conn)
+            params = {"now": now, "limit": limit}
+            if stmts.guarded_claim is not None:
+                publishable = _outbox_rows(conn.execute(stmts.guarded_claim, params))
+            else:
+                if db.dialect_name(conn) == "mysql":
+                    # REPEATABLE READ would let the guard read a snapshot older than the locks.
+                    conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                publishable = order_guard(conn, _outbox_rows(conn.execute(stmts.claim, params)))
             yield Claim(conn, publishable)
             # Rows held back by the guard need nothing: their locks end with the transaction.
 

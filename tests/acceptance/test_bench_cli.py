@@ -219,10 +219,9 @@ def test_bench_pass_times_every_step_of_each_size(
     assert figures["bench"] == "pass"
     assert figures["passes"] == 5
     for rows in (1, 20):
-        steps = [
-            figures[f"rows_{rows}_{step}_ms"] for step in ("claim", "guard", "publish", "mark")
-        ]
+        steps = [figures[f"rows_{rows}_{step}_ms"] for step in ("claim", "publish", "mark")]
         assert all(step > 0 for step in steps)
+        assert figures[f"rows_{rows}_guard_ms"] == 0  # on PostgreSQL the claim carries the guard
         assert sum(steps) < figures[f"rows_{rows}_pass_ms"] <= figures[f"rows_{rows}_pass_p99_ms"]
         cpu = figures[f"rows_{rows}_cpu_ms"]
         assert figures[f"rows_{rows}_cpu_ms_per_message"] == pytest.approx(cpu / rows, rel=0.01)

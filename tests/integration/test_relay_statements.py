@@ -126,13 +126,65 @@ def test_the_guard_holds_back_what_follows_a_row_another_claim_holds(engine: sa.
         assert [ids[r.message_id] for r in second.rows] == [1, 3]
         assert all(isinstance(r, claims.OutboxRow) for r in second.rows)
 
-    guard_sql, params = log.matching("GROUP BY outbox_messages.partition_key")[-1]  # the second's
     if is_postgres(engine):
-        assert "= ANY (" in guard_sql and " IN (" not in guard_sql.split("WHERE", 1)[1]
-        assert len(params) == 3 and sorted(params["keys"]) == ["a", "b", "c"]
+        # The claim carries its guard: one statement per claim, no key or id list sent over.
+        claim_sql = log.matching("FOR UPDATE SKIP LOCKED")
+        assert len(claim_sql) == 2 and not log.matching("GROUP BY outbox_messages.partition_key")
+        sql, params = claim_sql[-1]
+        assert "blockers AS MATERIALIZED" in sql and set(params) == {"now", "limit"}
     else:
+        guard_sql, params = log.matching("GROUP BY outbox_messages.partition_key")[-1]
         assert "partition_key IN (" in guard_sql and "id NOT IN (" in guard_sql
         assert len(params) == 3 + 4 + 1  # three keys, four ids, the highest id
+
+
+@pytest.mark.postgres
+def test_the_optimistic_guard_binds_keys_and_ids_as_arrays_on_postgresql(pg_url: str) -> None:
+    engine = db.create_engine(pg_url, pool_size=4)
+    try:
+        messages = write(engine, [envelope("a", 0), envelope("b"), envelope("a", 1)])
+        strategy = claims.OptimisticClaim()
+        now = ClockDouble().now() + timedelta(seconds=1)
+        with strategy.claim(engine, 1, now) as first:  # leases a0
+            log = StatementLog(engine)
+            with strategy.claim(engine, 100, now) as second:
+                assert [r.message_id for r in first.rows] == [messages[0].message_id]
+                assert [r.message_id for r in second.rows] == [messages[1].message_id]
+        ((guard_sql, params),) = log.matching("GROUP BY outbox_messages.partition_key")
+        assert "= ANY (" in guard_sql and " IN (" not in guard_sql.split("WHERE", 1)[1]
+        assert len(params) == 3 and sorted(params["keys"]) == ["a", "b"]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_a_guarded_claim_skips_keys_another_relay_holds_in_any_batch(pg_url: str) -> None:
+    """The claim's own guard, against the two-statement guard, on random batches of a few keys
+    while another transaction holds some rows: the same rows come out."""
+    engine = db.create_engine(pg_url, pool_size=4)
+    rng = random.Random(5)
+    now = ClockDouble().now() + timedelta(seconds=1)
+    held_back = 0
+    try:
+        write(engine, [envelope(f"k{rng.randrange(6)}", n) for n in range(60)])
+        for _ in range(20):
+            held, limit = rng.randrange(0, 5), rng.randrange(1, 60)
+            with engine.connect() as other, other.begin(), engine.connect() as conn:
+                some = sa.select(t.c.id).order_by(sa.func.random()).limit(held)
+                other.execute(sa.select(t.c.id).where(t.c.id.in_(some)).with_for_update()).all()
+                stmts = claims.statements(conn)
+                with conn.begin() as tx:
+                    params = {"now": now, "limit": limit}
+                    one = [r.id for r in conn.execute(stmts.guarded_claim, params)]
+                    tx.rollback()
+                with conn.begin():
+                    claimed = conn.execute(stmts.claim, params).all()
+                    two = [r.id for r in claims.order_guard(conn, claimed)]
+            assert one == two and len(one) <= limit
+            held_back += len(claimed) - len(two)
+        assert held_back > 0  # the guard had rows to hold back
+    finally:
+        engine.dispose()
 
 
 def test_a_guard_with_nothing_blocking_publishes_the_whole_claim(engine: sa.Engine) -> None:
@@ -351,26 +403,31 @@ def test_sqlite_refuses_on_sent_archive_and_marks_by_default(sqlite_url: str) ->
 
 
 @pytest.mark.postgres
-def test_a_large_claim_plans_its_statements_for_their_own_parameters(pg_url: str) -> None:
+def test_a_large_optimistic_claim_plans_its_guard_for_its_own_parameters(pg_url: str) -> None:
     """psycopg prepares a statement on its fifth execution; PostgreSQL's generic plan for the
     order guard then compared every row with every claimed id (4 ms a batch instead of 0.8)."""
     engine = db.create_engine(pg_url, pool_size=1)
     large, small = claims.CUSTOM_PLANS_FROM, claims.CUSTOM_PLANS_FROM - 1
     now = START + timedelta(seconds=1)
+    log = StatementLog(engine)
     try:
         write(engine, [envelope(f"k{i}") for i in range(large)])
-        with claims.SkipLockedClaim().claim(engine, large, now) as claim:
+        with claims.OptimisticClaim().claim(engine, large, now) as claim:
             assert len(claim.rows) == large
-            assert plan_cache_mode(claim.conn) == "force_custom_plan"
-            backend = claim.conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+        assert len(log.matching(claims.CUSTOM_PLANS)) == 1
         with engine.connect() as conn:  # the same pooled connection, after the claim's commit
-            assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar() == backend
             assert plan_cache_mode(conn) == "auto"
         # A small claim keeps the generic plans: its guard is cheap either way, and the extra
         # round trip would only add to the delivery latency.
-        with claims.SkipLockedClaim().claim(engine, small, now) as claim:
+        with engine.begin() as conn:
+            conn.execute(sa.update(t).values(claimed_by=None, lease_until=None))
+        with claims.OptimisticClaim().claim(engine, small, now) as claim:
             assert len(claim.rows) == small
-            assert plan_cache_mode(claim.conn) == "auto"
+        assert len(log.matching(claims.CUSTOM_PLANS)) == 1
+        # A SKIP LOCKED claim guards in its own statement, which binds no list to plan for.
+        with claims.SkipLockedClaim().claim(engine, large, now) as claim:
+            assert len(claim.rows) == large
+        assert len(log.matching(claims.CUSTOM_PLANS)) == 1
     finally:
         engine.dispose()
 
@@ -399,7 +456,7 @@ def test_a_relays_own_pool_plans_each_pass_for_the_table_as_it_is(pg_url: str) -
             for i in range(PASSES):
                 write(plain, [envelope(f"{relay is own}-{i}")])
                 assert relay.run_once().published == 1
-        claim_sql = "%FOR UPDATE SKIP LOCKED"
+        claim_sql = "%FOR UPDATE SKIP LOCKED%"
         assert plans(plain, claim_sql)["generic"] > 0  # what the relay's own pool avoids
         own_plans = plans(own.engine, claim_sql)
         assert own_plans["generic"] == 0 and own_plans["custom"] > 0
