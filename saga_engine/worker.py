@@ -35,7 +35,11 @@ ROLES = ("orchestrator", "participants", "relay", "deadlines", "cleanup")
 #: The least time between the starts of two relay passes that wake-ups start. Every consumer
 #: commit (and, on PostgreSQL, every NOTIFY) wakes the relays; a pass costs a claim, a broker round
 #: trip and a mark whether it finds one row or fifty, so the commits of a few ms share one pass.
-RELAY_WAKE_INTERVAL = 0.01
+#: 30 ms rather than 10: under load a worker's relay then makes a third of the passes, each of
+#: three times the rows, and in five alternated pairs of outline saga runs two workers spent 5-21 %
+#: less of the machine per saga (docs/benchmarks.md, change 43). Under load a hop may wait up to
+#: the interval for its pass; a relay idle for longer than the interval still runs at once.
+RELAY_WAKE_INTERVAL = 0.03
 
 
 class CoalescingWakeup(Wakeup):
