@@ -180,14 +180,12 @@ class Statements:
             lease=update_by_primary_key(
                 sa.update(t).where(id_in).values(claimed_by=_TOKEN, lease_until=_LEASE_UNTIL)
             ),
-            guard=sa.select(t.c.partition_key, sa.func.min(t.c.id))
-            .where(
-                IS_PENDING,
+            guard=blockers(
+                t,
                 db.in_list(t.c.partition_key, "keys", array=array),
-                t.c.id < sa.bindparam("max_id", type_=t.c.id.type),
-                sa.not_(id_in),
-            )
-            .group_by(t.c.partition_key),
+                below=sa.bindparam("max_id", type_=t.c.id.type),
+                unclaimed=sa.not_(id_in),
+            ),
             lock=by_primary_key(sa.select(t.c.id).where(id_in).order_by(t.c.id).with_for_update()),
             release=update_by_primary_key(
                 sa.update(t)
@@ -219,26 +217,43 @@ def guarded_claim(claim: sa.Select[Any]) -> sa.Select[Any]:
     only holds this pass's later rows of its key back, to the next pass.
     """
     claimed = claim.cte("claimed").prefix_with("MATERIALIZED")
-    earlier = t.alias("earlier")
     claimed_keys = sa.func.array(sa.select(claimed.c.partition_key).scalar_subquery())
-    blockers = (
-        sa.select(earlier.c.partition_key, sa.func.min(earlier.c.id).label("blocker"))
-        .where(
-            earlier.c.status == status_literal(PENDING),
+    earlier = t.alias("earlier")
+    first = (
+        blockers(
+            earlier,
             earlier.c.partition_key == sa.any_(claimed_keys),
-            earlier.c.id < sa.select(sa.func.max(claimed.c.id)).scalar_subquery(),
-            earlier.c.id.not_in(sa.select(claimed.c.id)),
+            below=sa.select(sa.func.max(claimed.c.id)).scalar_subquery(),
+            unclaimed=earlier.c.id.not_in(sa.select(claimed.c.id)),
         )
-        .group_by(earlier.c.partition_key)
         .cte("blockers")
         .prefix_with("MATERIALIZED")
     )
-    by_key = claimed.outerjoin(blockers, blockers.c.partition_key == claimed.c.partition_key)
+    by_key = claimed.outerjoin(first, first.c.partition_key == claimed.c.partition_key)
     return (
         sa.select(*claimed.c)
         .select_from(by_key)
-        .where(sa.or_(blockers.c.blocker.is_(None), claimed.c.id < blockers.c.blocker))
+        .where(sa.or_(first.c.blocker.is_(None), claimed.c.id < first.c.blocker))
         .order_by(claimed.c.id)
+    )
+
+
+def blockers(
+    table: sa.FromClause,
+    of_keys: sa.ColumnElement[bool],
+    *,
+    below: sa.ColumnElement[Any],
+    unclaimed: sa.ColumnElement[bool],
+) -> sa.Select[Any]:
+    """The order guard's lookup in ``table`` (the outbox, or an alias of it): for each key
+    ``of_keys`` admits, the earliest PENDING row below the claim's highest id that ``unclaimed``
+    says the claim does not hold (``partition_key``, ``blocker``). Claimed rows of that key after
+    it must wait."""
+    c = table.c
+    return (
+        sa.select(c.partition_key, sa.func.min(c.id).label("blocker"))
+        .where(c.status == status_literal(PENDING), of_keys, c.id < below, unclaimed)
+        .group_by(c.partition_key)
     )
 
 
@@ -416,8 +431,8 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
     conn.execute(statements(conn).release, {"ids": list(row_ids), "token": token})
 
 
-#: Set by the order guard for the rest of its transaction (and so for the marks of a SKIP LOCKED
-#: claim). psycopg prepares a statement on its fifth execution, and PostgreSQL then plans it once
+#: Set by the order guard, where it is a statement of its own (the optimistic claim on
+#: PostgreSQL), for the rest of its transaction. psycopg prepares a statement on its fifth execution, and PostgreSQL then plans it once
 #: for any parameters: a generic plan cannot hash the ids of ``id <> ALL(:ids)`` (it hashes
 #: constant arrays only) and compares each row with every id, so the guard of a 500-row batch took
 #: 4 ms of server CPU instead of 0.8. That cost grows with the square of the batch, while the extra
