@@ -279,6 +279,12 @@ def test_offsets_the_broker_skips_are_read_again(transport: KafkaTransport, topi
         assert_quiet(consumer)
 
 
+def host_slow(record: logging.LogRecord) -> bool:
+    """kafka-python's note that one step of its IO loop took over 0.1 s: a busy host (seen once
+    in a CI run while the machine ran the whole suite), not a message lost or out of order."""
+    return record.name == "kafka.net.selector" and "threshold" in record.getMessage()
+
+
 def test_messages_written_by_two_producers_at_once_reach_a_reader_reading_along(
     kafka_url: str, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -324,7 +330,7 @@ def test_messages_written_by_two_producers_at_once_reach_a_reader_reading_along(
         writer.close()
 
     assert [position(d)[1] for d in received] == list(range(sum(acknowledged)))
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and not host_slow(r)]
 
 
 # -- broker outages -------------------------------------------------------------------------
