@@ -202,12 +202,45 @@ saga_instances = sa.Table(
 )
 
 
+#: PostgreSQL advisory-lock spaces of the outbox's wake-ups, each lock keyed by the outbox table's
+#: oid (as the relays' lead, ``relay.LEAD``). MUTE: held by a relay that passes on a timer of its
+#: own under load, so the outbox's writers send it no NOTIFY. WRITERS: held (shared) by every
+#: transaction that writes to the outbox, until it ends; a relay that stops passing on its timer
+#: takes it for a moment to know that every writer that saw the mute has committed or rolled back
+#: (``saga_engine.outbox.notify.Mute``).
+MUTE_LOCK_SPACE = 0x5A6B
+WRITERS_LOCK_SPACE = 0x5A6C
+
+
 def _notify_trigger(table: str, channel: str) -> list[str]:
     """PostgreSQL DDL: one NOTIFY per inserting statement (the relays' wake-up hint)."""
+    return _trigger(table, f"PERFORM pg_notify('{channel}', '');")
+
+
+def _muted_notify_trigger(table: str, channel: str) -> list[str]:
+    """PostgreSQL DDL: :func:`_notify_trigger`, but silent while a relay holds the mute.
+
+    A NOTIFY costs more than the insert it follows: the server serializes the commits of every
+    transaction that sent one, and signals every listener. The mute is read with a lock taken and
+    released at once, never waited for; the writers' lock is shared, and waits only while a relay
+    holds it alone, for the length of one statement.
+    """
+    key = "TG_RELID::int"
+    return _trigger(
+        table,
+        f"PERFORM pg_advisory_xact_lock_shared({WRITERS_LOCK_SPACE}, {key}); "
+        f"IF pg_try_advisory_lock_shared({MUTE_LOCK_SPACE}, {key}) THEN "
+        f"PERFORM pg_advisory_unlock_shared({MUTE_LOCK_SPACE}, {key}); "
+        f"PERFORM pg_notify('{channel}', ''); END IF;",
+    )
+
+
+def _trigger(table: str, body: str) -> list[str]:
+    """PostgreSQL DDL: run ``body`` once per statement that inserts into ``table``."""
     function = f"{table}_notify"
     return [
         f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ "
-        f"BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $$",
+        f"BEGIN {body} RETURN NULL; END $$",
         f"CREATE TRIGGER {table}_notify AFTER INSERT ON {table} "
         f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()",
     ]
@@ -215,7 +248,7 @@ def _notify_trigger(table: str, channel: str) -> list[str]:
 
 #: Extra DDL per dialect that Core cannot express; the migrations run the same statements.
 POSTGRES_TRIGGERS = {
-    "outbox_messages": _notify_trigger("outbox_messages", "saga_engine_outbox"),
+    "outbox_messages": _muted_notify_trigger("outbox_messages", "saga_engine_outbox"),
     "transport_messages": _notify_trigger("transport_messages", "saga_engine_transport"),
 }
 

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -24,64 +23,13 @@ from saga_engine import db, deadletter, errors, inbox, store, transport
 from saga_engine.app import App
 from saga_engine.consumer import BatchScope, DedupeKey, MessageConsumer, by_message_id
 from saga_engine.outbox import cleanup
-from saga_engine.outbox.notify import OUTBOX_CHANNEL, Wakeup
+from saga_engine.outbox.pacing import RELAY_WAKE_INTERVAL, CoalescingWakeup
 from saga_engine.outbox.relay import Relay
 from saga_engine.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
 ROLES = ("orchestrator", "participants", "relay", "deadlines", "cleanup")
-
-#: The least time between the starts of two relay passes that wake-ups start. Every consumer
-#: commit (and, on PostgreSQL, every NOTIFY) wakes the relays; a pass costs a claim, a broker round
-#: trip and a mark whether it finds one row or fifty, so the commits of a few ms share one pass.
-#: 30 ms rather than 10: under load a worker's relay then makes a third of the passes, each of
-#: three times the rows, and in five alternated pairs of outline saga runs two workers spent 5-21 %
-#: less of the machine per saga (docs/benchmarks.md, change 43). Under load a hop may wait up to
-#: the interval for its pass; a relay idle for longer than the interval still runs at once.
-RELAY_WAKE_INTERVAL = 0.03
-
-
-class CoalescingWakeup(Wakeup):
-    """A :class:`Wakeup` whose wake-ups start passes at most once every ``min_interval`` seconds.
-
-    A relay woken less than ``min_interval`` after its previous pass began waits out the rest, so
-    that the commits of that moment join one pass; wake-ups that arrive meanwhile are folded into
-    that same pass instead of each causing one more. A relay that has been idle longer runs at
-    once, so a lone message gains no latency.
-    """
-
-    def __init__(
-        self,
-        conninfo: str | None = None,
-        channel: str = OUTBOX_CHANNEL,
-        *,
-        lead: str | None = None,
-        min_interval: float = RELAY_WAKE_INTERVAL,
-    ) -> None:
-        super().__init__(conninfo, channel, lead=lead)
-        self.min_interval = min_interval
-        self._last_pass = float("-inf")
-
-    @classmethod
-    def like(cls, wakeup: Wakeup, min_interval: float = RELAY_WAKE_INTERVAL) -> CoalescingWakeup:
-        """The same wake-up (LISTEN connection and channel), coalescing."""
-        return cls(wakeup.conninfo, wakeup.channel, lead=wakeup.lead, min_interval=min_interval)
-
-    def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
-        woken = super().wait(timeout, stop)
-        if woken:
-            linger = self._last_pass + self.min_interval - time.monotonic()
-            if linger > 0:
-                if stop is None:
-                    time.sleep(linger)
-                else:
-                    woken = not stop.wait(linger)
-                # Wake-ups of the linger are covered by the pass about to claim: their commits
-                # came before it. A zero wait only clears them, so they start no extra pass.
-                super().wait(0.0)
-        self._last_pass = time.monotonic()
-        return woken
 
 
 @dataclasses.dataclass

@@ -18,6 +18,11 @@ no row waits longer for it; a follower tries for the lead again at every livenes
 follower does not listen meanwhile (UNLISTEN): each NOTIFY would wake its server session, its
 listener thread and its relay for nothing, at every commit. When it takes the lead it listens
 again and wakes its relay once, for whatever was committed while it did not listen.
+
+Under load the NOTIFYs say nothing new, and they are not free: PostgreSQL serializes the commits
+of every transaction that sent one and signals every listener at each. A worker's relay then
+passes on a timer of its own and holds the outbox's *mute*, an advisory lock the outbox's trigger
+looks at: while it is held, writers send no NOTIFY (``saga_engine.outbox.pacing``).
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ RECONNECT_DELAY_SECONDS = 1.0
 STOP_CHECK_SECONDS = 0.1
 #: Shown in pg_stat_activity, so operators (and tests) can tell the listener from pooled sessions.
 APPLICATION_NAME = "saga-engine-listen"
-#: Run by a listener that tries for the lead: the server ends the session of a leader whose host
-#: vanished (no FIN, no RST) within about 30 s, instead of after the system's TCP defaults (two
-#: hours of keepalive idle time, or some 15 minutes of unanswered NOTIFYs), so the lead moves on.
+#: Run by a listener that tries for the lead (and by a relay's mute, ``pacing.Mute``): the server
+#: ends the session of a leader whose host vanished (no FIN, no RST) within about 30 s, instead of
+#: after the system's TCP defaults (two hours of keepalive idle time, or some 15 minutes of
+#: unanswered NOTIFYs), so the lead moves on (and the mute is let go).
 #: Each setting only where the server has it (``tcp_user_timeout`` is new in PostgreSQL 12).
 LEAD_SESSION = (
     "SELECT set_config(name, value, false) FROM (VALUES ('tcp_keepalives_idle', '10'), "
@@ -77,6 +83,11 @@ class Wakeup:
         """Another listener holds the lead: this one's wake-ups are left to it."""
         return self._lead_held is False
 
+    @property
+    def leads(self) -> bool:
+        """This listener holds the lead."""
+        return self._lead_held is True
+
     @classmethod
     def for_engine(
         cls, engine: Engine, channel: str = OUTBOX_CHANNEL, *, lead: str | None = None
@@ -90,6 +101,10 @@ class Wakeup:
 
     def notify(self) -> None:
         self._event.set()
+
+    def after_pass(self, claimed: int | None) -> None:
+        """Told by the relay after each pass how many rows it claimed (None: the pass failed).
+        A plain wake-up has no use for it; the worker's relays pace themselves with it."""
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         """Wait for a wake-up, the timeout or ``stop``; True if woken."""

@@ -323,8 +323,14 @@ class Relay:
             log.warning(
                 "relay pass failed, retrying after the poll interval: %s", _first_line(error)
             )
+            self._after_pass(None)
             return PassResult.FAILED
+        self._after_pass(outcome.claimed)
         return PassResult.FULL if outcome.claimed >= self.config.batch_size else PassResult.PARTIAL
+
+    def _after_pass(self, claimed: int | None) -> None:
+        if self.wakeup is not None:
+            self.wakeup.after_pass(claimed)
 
     def _sleep(self, stop: threading.Event, seconds: float) -> bool:
         """Sleep until the next poll, a wake-up or ``stop``; True if a wake-up ended it."""

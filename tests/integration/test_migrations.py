@@ -308,6 +308,25 @@ def test_postgres_trigger_notifies_on_insert(empty_pg_url: str, engine_of: Any) 
 
 
 @pytest.mark.postgres
+def test_downgrade_to_0008_makes_every_outbox_insert_notify_again(
+    empty_pg_url: str, engine_of: Any
+) -> None:
+    """0009 makes the outbox's NOTIFY fall silent while a relay holds the mute; below it the
+    trigger notifies whatever the locks say."""
+    migrate.upgrade(empty_pg_url)
+    assert "pg_try_advisory_lock_shared" in outbox_trigger_source(engine_of(empty_pg_url))
+    migrate.downgrade(empty_pg_url, "0008")
+
+    source = outbox_trigger_source(engine_of(empty_pg_url))
+    assert "advisory" not in source
+    assert "pg_notify('saga_engine_outbox', '')" in source
+
+
+def outbox_trigger_source(engine: sa.Engine) -> str:
+    return trigger_definitions(engine)["outbox_messages_notify"][1]
+
+
+@pytest.mark.postgres
 def test_downgrade_drops_the_trigger_functions(empty_pg_url: str, engine_of: Any) -> None:
     migrate.upgrade(empty_pg_url)
     migrate.downgrade(empty_pg_url, "base")

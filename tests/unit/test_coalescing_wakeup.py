@@ -5,7 +5,10 @@ from __future__ import annotations
 import threading
 import time
 
-from saga_engine.worker import CoalescingWakeup
+import pytest
+
+from saga_engine.outbox import pacing
+from saga_engine.outbox.pacing import CoalescingWakeup, Pace
 
 
 def test_an_idle_relay_is_woken_at_once() -> None:
@@ -39,3 +42,146 @@ def test_a_stop_during_the_linger_is_not_a_wake_up() -> None:
     began = time.monotonic()
     assert wakeup.wait(5.0, stop) is False
     assert time.monotonic() - began < 1.0
+
+
+# -- the mute: a relay under load passes on its own timer -----------------------------------------
+
+
+class MuteDouble:
+    """A test double of ``pacing.Mute``: records what the wake-up asked, answers as told."""
+
+    def __init__(self, *, on: bool = True, writers_done: bool = True) -> None:
+        self.answers = {"on": on, "writers_done": writers_done}
+        self.calls: list[str] = []
+        self.fail = False
+
+    def on(self) -> bool:
+        return self._ask("on")
+
+    def off(self) -> None:
+        self._ask("off")
+
+    def writers_done(self) -> bool:
+        return self._ask("writers_done")
+
+    def close(self) -> None:
+        self.calls.append("close")
+
+    def _ask(self, what: str) -> bool:
+        self.calls.append(what)
+        if self.fail:
+            raise OSError("server closed the connection")
+        return self.answers.get(what, True)
+
+
+def muted_wakeup(mute: MuteDouble, min_interval: float = 0.05) -> CoalescingWakeup:
+    wakeup = CoalescingWakeup(min_interval=min_interval)
+    wakeup._mute = mute  # type: ignore[assignment]
+    return wakeup
+
+
+def pace_of(wakeup: CoalescingWakeup) -> Pace:
+    return wakeup.pace  # read through a call: mypy narrows an attribute between asserts
+
+
+def busy(wakeup: CoalescingWakeup, claimed: int = 10) -> None:
+    """A pass whose wake-up came within ``min_interval`` of the previous pass, then found rows."""
+    wakeup.notify()
+    wakeup.wait(1.0)
+    wakeup.notify()
+    wakeup.wait(1.0)  # lingered
+    wakeup.after_pass(claimed)
+
+
+def test_wake_ups_faster_than_the_interval_and_rows_found_take_the_mute() -> None:
+    mute = MuteDouble()
+    wakeup = muted_wakeup(mute)
+    busy(wakeup)
+    assert wakeup.pace is Pace.TIMED
+    assert mute.calls == ["on"]
+
+
+def test_a_lone_wake_up_or_an_empty_pass_keeps_waiting_for_notifies() -> None:
+    mute = MuteDouble()
+    wakeup = muted_wakeup(mute)
+    wakeup.notify()
+    assert wakeup.wait(1.0)
+    wakeup.after_pass(5)  # found rows, but its wake-up came after a long idle time
+    busy(wakeup, claimed=0)  # came quickly, found nothing
+    assert wakeup.pace is Pace.NOTIFIED
+    assert mute.calls == []
+
+
+def test_a_relay_that_cannot_take_the_mute_or_does_not_lead_keeps_waiting_for_notifies() -> None:
+    refused = muted_wakeup(MuteDouble(on=False))
+    busy(refused)
+    following = muted_wakeup(MuteDouble())
+    following.lead, following._lead_held = "SELECT true", False
+    busy(following)
+    assert (refused.pace, following.pace) == (Pace.NOTIFIED, Pace.NOTIFIED)
+
+
+def test_a_muted_relay_is_woken_by_its_timer_without_a_notify() -> None:
+    wakeup = muted_wakeup(MuteDouble(), min_interval=0.2)
+    busy(wakeup)
+    began = time.monotonic()
+    assert wakeup.wait(5.0) is True
+    assert 0.1 <= time.monotonic() - began < 1.0
+
+
+def test_an_empty_pass_lets_go_of_the_mute_and_waits_for_the_writers_that_saw_it() -> None:
+    mute = MuteDouble(writers_done=False)
+    wakeup = muted_wakeup(mute)
+    busy(wakeup)
+    wakeup.after_pass(0)
+    assert wakeup.pace is Pace.UNMUTING  # still on the timer: a writer that saw it may commit
+    assert mute.calls == ["on", "off", "writers_done"]
+
+    mute.answers["writers_done"] = True
+    wakeup.after_pass(0)
+    assert pace_of(wakeup) is Pace.NOTIFIED
+    # One more pass at once, for the rows of those writers.
+    assert wakeup.wait(0.5) is True
+
+
+def test_rows_found_while_letting_go_take_the_mute_again() -> None:
+    mute = MuteDouble(writers_done=False)
+    wakeup = muted_wakeup(mute)
+    busy(wakeup)
+    wakeup.after_pass(0)
+    wakeup.after_pass(3)
+    assert wakeup.pace is Pace.TIMED
+    assert mute.calls == ["on", "off", "writers_done", "on"]
+
+
+def test_writers_that_stay_open_are_waited_for_no_longer_than_the_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pacing, "UNMUTE_PATIENCE", 0.1)
+    wakeup = muted_wakeup(MuteDouble(writers_done=False))
+    busy(wakeup)
+    wakeup.after_pass(0)
+    time.sleep(0.15)
+    wakeup.after_pass(0)
+    assert wakeup.pace is Pace.NOTIFIED
+
+
+def test_a_failed_pass_or_a_lost_mute_connection_goes_back_to_notifies() -> None:
+    failed = MuteDouble()
+    wakeup = muted_wakeup(failed)
+    busy(wakeup)
+    wakeup.after_pass(None)
+    assert wakeup.pace is Pace.NOTIFIED and failed.calls[-1] == "close"
+
+    lost = MuteDouble()
+    wakeup = muted_wakeup(lost)
+    busy(wakeup)
+    lost.fail = True
+    wakeup.after_pass(0)  # off() raises: the session, and the mute with it, are gone
+    assert wakeup.pace is Pace.NOTIFIED and lost.calls[-1] == "close"
+
+
+def test_without_a_database_to_mute_the_pace_never_changes() -> None:
+    wakeup = CoalescingWakeup(min_interval=0.05)  # no conninfo: no listener, no mute
+    busy(wakeup)
+    assert wakeup.pace is Pace.NOTIFIED

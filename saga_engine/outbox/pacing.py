@@ -1,0 +1,218 @@
+"""How a worker's relay is paced: wake-ups folded into one pass, and the outbox's mute.
+
+A worker's relay is woken by NOTIFYs and by the worker's own commits, and under load those come
+far more often than passes are worth: a pass costs a claim, a broker round trip and a mark whether
+it finds one row or fifty. :class:`CoalescingWakeup` starts passes at most once every
+``min_interval``. Once the wake-ups come faster than that, it stops waiting for them: the relay
+takes the outbox's :class:`Mute` and passes on a timer, and the writers send no NOTIFY meanwhile.
+A pass that finds nothing hands the outbox back to NOTIFYs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from typing import Any
+
+from saga_engine import schema
+from saga_engine.outbox.notify import LEAD_SESSION, OUTBOX_CHANNEL, Wakeup
+
+log = logging.getLogger(__name__)
+
+#: Shown in pg_stat_activity for the connection that holds a relay's mute (:class:`Mute`).
+MUTE_APPLICATION_NAME = "saga-engine-mute"
+#: How long a relay that let go of the mute waits for the writers that saw it (:class:`Pace`)
+#: before it waits for NOTIFYs anyway; a row such a writer commits later waits for the relay's
+#: poll interval at most.
+UNMUTE_PATIENCE = 1.0
+
+#: The least time between the starts of two relay passes that wake-ups start. Every consumer
+#: commit (and, on PostgreSQL, every NOTIFY) wakes the relays; a pass costs a claim, a broker round
+#: trip and a mark whether it finds one row or fifty, so the commits of a few ms share one pass.
+#: 30 ms rather than 10: under load a worker's relay then makes a third of the passes, each of
+#: three times the rows, and in five alternated pairs of outline saga runs two workers spent 5-21 %
+#: less of the machine per saga (docs/benchmarks.md, change 43). Under load a hop may wait up to
+#: the interval for its pass; a relay idle for longer than the interval still runs at once.
+RELAY_WAKE_INTERVAL = 0.03
+
+
+class Pace(enum.Enum):
+    """How a worker's relay is woken (:class:`CoalescingWakeup`)."""
+
+    NOTIFIED = "notified"  # by NOTIFYs and the worker's own commits
+    TIMED = "timed"  # by a timer, every min_interval; it holds the mute: writers send no NOTIFY
+    UNMUTING = "unmuting"  # by the timer still, until every writer that saw the mute has ended
+
+
+class CoalescingWakeup(Wakeup):
+    """A :class:`Wakeup` whose wake-ups start passes at most once every ``min_interval`` seconds.
+
+    A relay woken less than ``min_interval`` after its previous pass began waits out the rest, so
+    that the commits of that moment join one pass; wake-ups that arrive meanwhile are folded into
+    that same pass instead of each causing one more. A relay that has been idle longer runs at
+    once, so a lone message gains no latency.
+
+    When a wake-up had to wait like that and the pass then found rows, the outbox is busy: the
+    leading relay takes the outbox's :class:`Mute` and passes every
+    ``min_interval`` on its own, as it would have with the NOTIFYs, and the writers stop sending
+    them. A pass that finds nothing ends it: the relay lets go of the mute, keeps to its timer
+    until every writer that saw the mute has ended, passes once more and waits for NOTIFYs again.
+    """
+
+    def __init__(
+        self,
+        conninfo: str | None = None,
+        channel: str = OUTBOX_CHANNEL,
+        *,
+        lead: str | None = None,
+        min_interval: float = RELAY_WAKE_INTERVAL,
+    ) -> None:
+        super().__init__(conninfo, channel, lead=lead)
+        self.min_interval = min_interval
+        self._last_pass = float("-inf")
+        self._lingered = False
+        self.pace = Pace.NOTIFIED
+        self._unmuted_at = float("-inf")
+        self._mute = Mute(conninfo) if conninfo is not None and channel == OUTBOX_CHANNEL else None
+
+    @classmethod
+    def like(cls, wakeup: Wakeup, min_interval: float = RELAY_WAKE_INTERVAL) -> CoalescingWakeup:
+        """The same wake-up (LISTEN connection and channel), coalescing."""
+        return cls(wakeup.conninfo, wakeup.channel, lead=wakeup.lead, min_interval=min_interval)
+
+    def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
+        if self.pace is not Pace.NOTIFIED:
+            return self._wait_for_timer(timeout, stop)
+        woken = super().wait(timeout, stop)
+        linger = self._last_pass + self.min_interval - time.monotonic() if woken else 0.0
+        self._lingered = linger > 0
+        if self._lingered:
+            woken = self._sleep(linger, stop)
+            # Wake-ups of the linger are covered by the pass about to claim: their commits
+            # came before it. A zero wait only clears them, so they start no extra pass.
+            super().wait(0.0)
+        self._last_pass = time.monotonic()
+        return woken
+
+    def _wait_for_timer(self, timeout: float, stop: threading.Event | None) -> bool:
+        slot = self._last_pass + self.min_interval - time.monotonic()
+        woken = self._sleep(min(timeout, slot), stop)
+        super().wait(0.0)  # what was notified meanwhile is the timer's pass's to find
+        self._last_pass = time.monotonic()
+        return woken
+
+    @staticmethod
+    def _sleep(seconds: float, stop: threading.Event | None) -> bool:
+        """Sleep ``seconds`` or until ``stop``; True unless stopped."""
+        if stop is None:
+            time.sleep(max(0.0, seconds))
+            return True
+        return not stop.wait(max(0.0, seconds))
+
+    def after_pass(self, claimed: int | None) -> None:
+        if self._mute is None:
+            return
+        try:
+            self._pace_by(claimed)
+        except Exception as error:  # the database is away: its session, and the mute, end with it
+            log.warning("relay mute lost (%s); waiting for NOTIFYs", str(error).splitlines()[:1])
+            self._mute.close()
+            self.pace = Pace.NOTIFIED
+
+    def _pace_by(self, claimed: int | None) -> None:
+        assert self._mute is not None
+        if self.pace is Pace.NOTIFIED:
+            if claimed and self._lingered and self._leads() and self._mute.on():
+                self.pace = Pace.TIMED
+            return
+        if claimed is None:  # a failed pass waits out the poll interval: not on the timer
+            self._mute.close()
+            self.pace = Pace.NOTIFIED
+        elif self.pace is Pace.TIMED and not claimed:
+            self._mute.off()
+            self.pace, self._unmuted_at = Pace.UNMUTING, time.monotonic()
+        elif self.pace is Pace.UNMUTING and claimed and self._mute.on():
+            self.pace = Pace.TIMED
+        if self.pace is Pace.UNMUTING and not claimed and self._writers_done():
+            self.pace = Pace.NOTIFIED
+            self.notify()  # one more pass: the rows of the writers that saw the mute are in
+
+    def _writers_done(self) -> bool:
+        """Every writer that saw the mute has ended, or one has kept its transaction open for
+        longer than :data:`UNMUTE_PATIENCE` (its rows then wait for the poll interval at most)."""
+        assert self._mute is not None
+        waited = time.monotonic() - self._unmuted_at
+        return self._mute.writers_done() or waited >= UNMUTE_PATIENCE
+
+    def _leads(self) -> bool:
+        """Only the leading relay mutes: the others pass for NOTIFYs no longer (``follower``),
+        and the leader would get none while another relay held the mute."""
+        return self.lead is None or self.leads
+
+    def stop(self) -> None:
+        super().stop()
+        if self._mute is not None:
+            self._mute.close()
+        self.pace = Pace.NOTIFIED
+
+
+class Mute:
+    """A relay's hold on the outbox's NOTIFYs: an advisory lock that the outbox's trigger reads
+    (``schema.MUTE_LOCK_SPACE``), on a connection of its own.
+
+    While the lock is held, a writer's trigger finds it taken and sends no NOTIFY; the relay
+    holding it must pass on a timer of its own. Every writer also holds the writers' lock
+    (``schema.WRITERS_LOCK_SPACE``, shared) until its transaction ends. A relay that lets go of
+    the mute must not go back to waiting for NOTIFYs until :meth:`writers_done`: a writer that
+    found the mute held may still be about to commit, and only a pass after its commit sees its
+    rows. The writer takes the writers' lock before it looks at the mute, so once the relay has
+    let go of the mute and then held the writers' lock alone for a moment, every writer that saw
+    the mute has ended, and every later one sends a NOTIFY.
+    """
+
+    def __init__(self, conninfo: str, table: str = "outbox_messages") -> None:
+        self.conninfo = conninfo
+        key = f"CAST(CAST(to_regclass('{table}') AS oid) AS int)"
+        mute, writers = schema.MUTE_LOCK_SPACE, schema.WRITERS_LOCK_SPACE
+        # NULL while the table does not exist: no mute.
+        self._on = f"SELECT pg_try_advisory_lock({mute}, {key})"
+        self._off = f"SELECT pg_advisory_unlock({mute}, {key})"
+        self._writers_done = (
+            f"SELECT CASE WHEN pg_try_advisory_lock({writers}, {key}) "
+            f"THEN pg_advisory_unlock({writers}, {key}) ELSE false END"
+        )
+        self._conn: Any = None
+
+    def on(self) -> bool:
+        """Try to take the mute; False when a writer was looking at it just then."""
+        return self._ask(self._on)
+
+    def off(self) -> None:
+        self._ask(self._off)
+
+    def writers_done(self) -> bool:
+        """Has every writer that may have seen the mute ended? (Ask after :meth:`off`.)"""
+        return self._ask(self._writers_done)
+
+    def close(self) -> None:
+        """Close the connection, which lets go of the mute if it is held."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _ask(self, statement: str) -> bool:
+        import psycopg
+
+        if self._conn is None:
+            self._conn = psycopg.connect(
+                self.conninfo,
+                autocommit=True,
+                connect_timeout=5,
+                application_name=MUTE_APPLICATION_NAME,
+            )
+            # A relay whose host vanishes must not keep the writers silent for hours.
+            self._conn.execute(LEAD_SESSION)
+        row = self._conn.execute(statement).fetchone()
+        return bool(row and row[0])
