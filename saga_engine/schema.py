@@ -207,7 +207,7 @@ saga_instances = sa.Table(
 #: own under load, so the outbox's writers send it no NOTIFY. WRITERS: held (shared) by every
 #: transaction that writes to the outbox, until it ends; a relay that stops passing on its timer
 #: takes it for a moment to know that every writer that saw the mute has committed or rolled back
-#: (``saga_engine.outbox.notify.Mute``).
+#: (``saga_engine.outbox.pacing.Mute``).
 MUTE_LOCK_SPACE = 0x5A6B
 WRITERS_LOCK_SPACE = 0x5A6C
 

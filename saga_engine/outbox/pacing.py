@@ -55,9 +55,8 @@ class CoalescingWakeup(Wakeup):
     once, so a lone message gains no latency.
 
     When a wake-up had to wait like that and the pass then found rows, the outbox is busy: the
-    leading relay takes the outbox's :class:`Mute` and passes every
-    ``min_interval`` on its own, as it would have with the NOTIFYs, and the writers stop sending
-    them. A pass that finds nothing ends it: the relay lets go of the mute, keeps to its timer
+    leading relay takes the outbox's :class:`Mute` and passes every ``min_interval`` on its own,
+    as it would have with the NOTIFYs, and the writers stop sending them. A pass that finds nothing ends it: the relay lets go of the mute, keeps to its timer
     until every writer that saw the mute has ended, passes once more and waits for NOTIFYs again.
     """
 
@@ -147,8 +146,8 @@ class CoalescingWakeup(Wakeup):
         return self._mute.writers_done() or waited >= UNMUTE_PATIENCE
 
     def _leads(self) -> bool:
-        """Only the leading relay mutes: the others pass for NOTIFYs no longer (``follower``),
-        and the leader would get none while another relay held the mute."""
+        """Only the leading relay mutes: a follower passes for no NOTIFY anyway, and the leader
+        would get none while another relay held the mute."""
         return self.lead is None or self.leads
 
     def stop(self) -> None:

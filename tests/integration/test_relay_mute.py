@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from saga_engine import schema
+from saga_engine.outbox import OutboxWriter
 from saga_engine.outbox.pacing import CoalescingWakeup, Mute, Pace
 from saga_engine.outbox.relay import Relay, RelayConfig
 from saga_engine.transport.sql import SqlTransport
@@ -91,8 +92,6 @@ def test_a_relay_letting_go_of_the_mute_waits_for_the_writers_that_saw_it(
 
 
 def write_in(conn: sa.Connection, key: str) -> None:
-    from saga_engine.outbox import OutboxWriter
-
     OutboxWriter().add_many(conn, [envelope(key)])
 
 

@@ -5,7 +5,7 @@ Under load a worker's relay passes on a timer of its own and the NOTIFYs say not
 PostgreSQL serializes the commits of every transaction that sent one and signals every listener
 at each. The trigger now takes the writers' advisory lock (shared, until the transaction ends) and
 sends its NOTIFY only when no relay holds the mute (both keyed by the table's oid; see
-``saga_engine.outbox.notify.Mute``). Relays of earlier versions never take the mute, so with them
+``saga_engine.outbox.pacing.Mute``). Relays of earlier versions never take the mute, so with them
 every insert notifies, as before. PostgreSQL only; nothing to do elsewhere.
 
 Revision ID: 0009
