@@ -203,13 +203,16 @@ saga_instances = sa.Table(
 
 
 #: PostgreSQL advisory-lock spaces of the outbox's wake-ups, each lock keyed by the outbox table's
-#: oid (as the relays' lead, ``relay.LEAD``). MUTE: held by a relay that passes on a timer of its
-#: own under load, so the outbox's writers send it no NOTIFY. WRITERS: held (shared) by every
-#: transaction that writes to the outbox, until it ends; a relay that stops passing on its timer
-#: takes it for a moment to know that every writer that saw the mute has committed or rolled back
-#: (``saga_engine.outbox.pacing.Mute``).
+#: oid (:data:`OUTBOX_LOCK_KEY`, as the relays' lead, ``relay.LEAD``). MUTE: held by a relay that
+#: passes on a timer of its own under load, so the outbox's writers send it no NOTIFY. WRITERS:
+#: held (shared) until its transaction ends by every writer that found the mute held; a relay
+#: that stops passing on its timer takes it for a moment to know that every such writer has
+#: committed or rolled back (``saga_engine.outbox.pacing.Mute``).
 MUTE_LOCK_SPACE = 0x5A6B
 WRITERS_LOCK_SPACE = 0x5A6C
+#: The second key of those locks, as a relay's session computes it: the outbox table's oid (NULL
+#: while the table does not exist). The trigger uses its ``TG_RELID``, the same oid.
+OUTBOX_LOCK_KEY = "CAST(CAST(to_regclass('outbox_messages') AS oid) AS int)"
 
 
 def _notify_trigger(table: str, channel: str) -> list[str]:
@@ -222,16 +225,20 @@ def _muted_notify_trigger(table: str, channel: str) -> list[str]:
 
     A NOTIFY costs more than the insert it follows: the server serializes the commits of every
     transaction that sent one, and signals every listener. The mute is read with a lock taken and
-    released at once, never waited for; the writers' lock is shared, and waits only while a relay
-    holds it alone, for the length of one statement.
+    released at once, never waited for. A writer that finds it held takes the writers' lock
+    (shared: it waits only while a relay holds it alone, for the length of one statement) and
+    reads the mute again, so that the relay, once it lets go, waits for every writer that stayed
+    silent; a writer that finds the mute free takes nothing more.
     """
     key = "TG_RELID::int"
+    free = f"pg_try_advisory_lock_shared({MUTE_LOCK_SPACE}, {key})"
     return _trigger(
         table,
+        f"IF NOT {free} THEN "
         f"PERFORM pg_advisory_xact_lock_shared({WRITERS_LOCK_SPACE}, {key}); "
-        f"IF pg_try_advisory_lock_shared({MUTE_LOCK_SPACE}, {key}) THEN "
+        f"IF NOT {free} THEN RETURN NULL; END IF; END IF; "
         f"PERFORM pg_advisory_unlock_shared({MUTE_LOCK_SPACE}, {key}); "
-        f"PERFORM pg_notify('{channel}', ''); END IF;",
+        f"PERFORM pg_notify('{channel}', '');",
     )
 
 

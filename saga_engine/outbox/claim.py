@@ -432,12 +432,13 @@ def release(conn: Connection, row_ids: Sequence[int], token: str) -> None:
 
 
 #: Set by the order guard, where it is a statement of its own (the optimistic claim on
-#: PostgreSQL), for the rest of its transaction. psycopg prepares a statement on its fifth execution, and PostgreSQL then plans it once
-#: for any parameters: a generic plan cannot hash the ids of ``id <> ALL(:ids)`` (it hashes
-#: constant arrays only) and compares each row with every id, so the guard of a 500-row batch took
-#: 4 ms of server CPU instead of 0.8. That cost grows with the square of the batch, while the extra
-#: round trip and the planning cost the same for any batch: a claim of a few rows (the usual one at
-#: a steady rate, where delivery latency counts) does better without. Hence the threshold.
+#: PostgreSQL), for the rest of its transaction. psycopg prepares a statement on its fifth
+#: execution, and PostgreSQL then plans it once for any parameters: a generic plan cannot hash
+#: the ids of ``id <> ALL(:ids)`` (it hashes constant arrays only) and compares each row with
+#: every id, so the guard of a 500-row batch took 4 ms of server CPU instead of 0.8. That cost
+#: grows with the square of the batch, while the extra round trip and the planning cost the same
+#: for any batch: a claim of a few rows (the usual one at a steady rate, where delivery latency
+#: counts) does better without. Hence the threshold.
 CUSTOM_PLANS = "SET LOCAL plan_cache_mode = force_custom_plan"
 CUSTOM_PLANS_FROM = 100
 #: Set in a connection's ``info`` when its whole session plans every statement anew (a relay's

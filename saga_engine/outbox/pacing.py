@@ -85,7 +85,7 @@ class CoalescingWakeup(Wakeup):
         if self.pace is not Pace.NOTIFIED:
             return self._wait_for_timer(timeout, stop)
         woken = super().wait(timeout, stop)
-        linger = self._last_pass + self.min_interval - time.monotonic() if woken else 0.0
+        linger = self._until_slot() if woken else 0.0
         self._lingered = linger > 0
         if self._lingered:
             woken = self._sleep(linger, stop)
@@ -96,11 +96,14 @@ class CoalescingWakeup(Wakeup):
         return woken
 
     def _wait_for_timer(self, timeout: float, stop: threading.Event | None) -> bool:
-        slot = self._last_pass + self.min_interval - time.monotonic()
-        woken = self._sleep(min(timeout, slot), stop)
+        woken = self._sleep(min(timeout, self._until_slot()), stop)
         super().wait(0.0)  # what was notified meanwhile is the timer's pass's to find
         self._last_pass = time.monotonic()
         return woken
+
+    def _until_slot(self) -> float:
+        """Seconds until ``min_interval`` after the previous pass began (negative: past it)."""
+        return self._last_pass + self.min_interval - time.monotonic()
 
     @staticmethod
     def _sleep(seconds: float, stop: threading.Event | None) -> bool:
@@ -162,18 +165,18 @@ class Mute:
     (``schema.MUTE_LOCK_SPACE``), on a connection of its own.
 
     While the lock is held, a writer's trigger finds it taken and sends no NOTIFY; the relay
-    holding it must pass on a timer of its own. Every writer also holds the writers' lock
-    (``schema.WRITERS_LOCK_SPACE``, shared) until its transaction ends. A relay that lets go of
-    the mute must not go back to waiting for NOTIFYs until :meth:`writers_done`: a writer that
-    found the mute held may still be about to commit, and only a pass after its commit sees its
-    rows. The writer takes the writers' lock before it looks at the mute, so once the relay has
-    let go of the mute and then held the writers' lock alone for a moment, every writer that saw
-    the mute has ended, and every later one sends a NOTIFY.
+    holding it must pass on a timer of its own. A relay that lets go of the mute must not go back
+    to waiting for NOTIFYs until :meth:`writers_done`: a writer that found the mute held may
+    still be about to commit, and only a pass after its commit sees its rows. Such a writer takes
+    the writers' lock (``schema.WRITERS_LOCK_SPACE``, shared, until its transaction ends) and
+    then looks at the mute again, sending its NOTIFY if it is free by then. So once the relay has
+    let go of the mute and then held the writers' lock alone for a moment, every writer that
+    stayed silent has ended, and every later one sends a NOTIFY.
     """
 
-    def __init__(self, conninfo: str, table: str = "outbox_messages") -> None:
+    def __init__(self, conninfo: str) -> None:
         self.conninfo = conninfo
-        key = f"CAST(CAST(to_regclass('{table}') AS oid) AS int)"
+        key = schema.OUTBOX_LOCK_KEY
         mute, writers = schema.MUTE_LOCK_SPACE, schema.WRITERS_LOCK_SPACE
         # NULL while the table does not exist: no mute.
         self._on = f"SELECT pg_try_advisory_lock({mute}, {key})"

@@ -373,10 +373,7 @@ ASYNC_COMMITS = "SET synchronous_commit = off"
 #: own. The first key keeps it apart from the application's advisory locks. NULL, neither lead nor
 #: follow, while the table does not exist.
 LEAD_LOCK_SPACE = 0x5A6A
-LEAD = (
-    f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, "
-    f"CAST(CAST(to_regclass('{t.name}') AS oid) AS int))"
-)
+LEAD = f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, {schema.OUTBOX_LOCK_KEY})"
 
 
 def relay_wakeup(engine: Engine) -> Wakeup:

@@ -3,8 +3,9 @@
 Every statement that inserts into ``outbox_messages`` sent a NOTIFY, the relays' wake-up hint.
 Under load a worker's relay passes on a timer of its own and the NOTIFYs say nothing new, yet
 PostgreSQL serializes the commits of every transaction that sent one and signals every listener
-at each. The trigger now takes the writers' advisory lock (shared, until the transaction ends) and
-sends its NOTIFY only when no relay holds the mute (both keyed by the table's oid; see
+at each. The trigger now sends its NOTIFY only when no relay holds the mute; a writer that finds it
+held takes the writers' advisory lock (shared, until the transaction ends) and looks again, so the
+relay can wait for it before it listens again (both keyed by the table's oid; see
 ``saga_engine.outbox.pacing.Mute``). Relays of earlier versions never take the mute, so with them
 every insert notifies, as before. PostgreSQL only; nothing to do elsewhere.
 
@@ -31,11 +32,13 @@ WRITERS_LOCK_SPACE = 0x5A6C
 KEY = "TG_RELID::int"
 CHANNEL = "saga_engine_outbox"
 
+FREE = f"pg_try_advisory_lock_shared({MUTE_LOCK_SPACE}, {KEY})"
 MUTED = (
+    f"IF NOT {FREE} THEN "
     f"PERFORM pg_advisory_xact_lock_shared({WRITERS_LOCK_SPACE}, {KEY}); "
-    f"IF pg_try_advisory_lock_shared({MUTE_LOCK_SPACE}, {KEY}) THEN "
+    f"IF NOT {FREE} THEN RETURN NULL; END IF; END IF; "
     f"PERFORM pg_advisory_unlock_shared({MUTE_LOCK_SPACE}, {KEY}); "
-    f"PERFORM pg_notify('{CHANNEL}', ''); END IF;"
+    f"PERFORM pg_notify('{CHANNEL}', '');"
 )
 ALWAYS = f"PERFORM pg_notify('{CHANNEL}', '');"
 
