@@ -102,6 +102,11 @@ class Wakeup:
     def notify(self) -> None:
         self._event.set()
 
+    @property
+    def pending(self) -> bool:
+        """A wake-up is waiting to be taken."""
+        return self._event.is_set()
+
     def after_pass(self, claimed: int | None) -> None:
         """Told by the relay after each pass how many rows it claimed (None: the pass failed).
         A plain wake-up has no use for it; the worker's relays pace themselves with it."""

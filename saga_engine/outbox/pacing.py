@@ -1,11 +1,13 @@
-"""How a worker's relay is paced: wake-ups folded into one pass, and the outbox's mute.
+"""How a relay is paced: wake-ups folded into one pass, and the outbox's mute.
 
-A worker's relay is woken by NOTIFYs and by the worker's own commits, and under load those come
-far more often than passes are worth: a pass costs a claim, a broker round trip and a mark whether
-it finds one row or fifty. :class:`CoalescingWakeup` starts passes at most once every
-``min_interval``. Once the wake-ups come faster than that, it stops waiting for them: the relay
-takes the outbox's :class:`Mute` and passes on a timer, and the writers send no NOTIFY meanwhile.
-A pass that finds nothing hands the outbox back to NOTIFYs.
+A relay is woken by NOTIFYs (and a worker's relay by the worker's own commits too), and under load
+those come far more often than passes are worth: a pass costs a claim, a broker round trip and a
+mark whether it finds one row or fifty. :class:`CoalescingWakeup` starts passes at most once every
+``min_interval`` (30 ms in a worker; none for a standalone relay, whose passes follow one another
+at once). Once wake-ups come while the previous pass is still running or within that interval,
+they say nothing new: the relay takes the outbox's :class:`Mute` and passes on its own timer (a
+standalone relay: one pass straight after another), and the writers send no NOTIFY meanwhile. A
+pass that finds nothing hands the outbox back to NOTIFYs.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ RELAY_WAKE_INTERVAL = 0.03
 class Pace(enum.Enum):
     """How a worker's relay is woken (:class:`CoalescingWakeup`)."""
 
-    NOTIFIED = "notified"  # by NOTIFYs and the worker's own commits
-    TIMED = "timed"  # by a timer, every min_interval; it holds the mute: writers send no NOTIFY
+    NOTIFIED = "notified"  # by NOTIFYs (and a worker's own commits)
+    #: By a timer, every min_interval (with none, one pass straight after another); the relay
+    #: holds the mute: writers send no NOTIFY.
+    TIMED = "timed"
     UNMUTING = "unmuting"  # by the timer still, until every writer that saw the mute has ended
 
 
@@ -54,10 +58,13 @@ class CoalescingWakeup(Wakeup):
     that same pass instead of each causing one more. A relay that has been idle longer runs at
     once, so a lone message gains no latency.
 
-    When a wake-up had to wait like that and the pass then found rows, the outbox is busy: the
-    leading relay takes the outbox's :class:`Mute` and passes every ``min_interval`` on its own,
-    as it would have with the NOTIFYs, and the writers stop sending them. A pass that finds nothing ends it: the relay lets go of the mute, keeps to its timer
-    until every writer that saw the mute has ended, passes once more and waits for NOTIFYs again.
+    When a wake-up came while the previous pass ran, or had to wait like that, and the pass then
+    found rows, the outbox is busy: the leading relay takes the outbox's :class:`Mute` and passes
+    every ``min_interval`` on its own, as it would have with the NOTIFYs, and the writers stop
+    sending them. With a ``min_interval`` of 0 (a standalone relay) that is one pass straight after
+    another, as a NOTIFY that came during each pass would have started them. A pass that finds
+    nothing ends it: the relay lets go of the mute, keeps to its timer until every writer that saw
+    the mute has ended, passes once more and waits for NOTIFYs again.
     """
 
     def __init__(
@@ -71,7 +78,9 @@ class CoalescingWakeup(Wakeup):
         super().__init__(conninfo, channel, lead=lead)
         self.min_interval = min_interval
         self._last_pass = float("-inf")
-        self._lingered = False
+        #: The last wake-up came while the previous pass ran, or within ``min_interval`` of its
+        #: start: the NOTIFYs come faster than passes (see :meth:`_pace_by`).
+        self._busy = False
         self.pace = Pace.NOTIFIED
         self._unmuted_at = float("-inf")
         self._mute = Mute(conninfo) if conninfo is not None and channel == OUTBOX_CHANNEL else None
@@ -84,10 +93,11 @@ class CoalescingWakeup(Wakeup):
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         if self.pace is not Pace.NOTIFIED:
             return self._wait_for_timer(timeout, stop)
+        pending = self.pending  # it came while the previous pass ran
         woken = super().wait(timeout, stop)
         linger = self._until_slot() if woken else 0.0
-        self._lingered = linger > 0
-        if self._lingered:
+        self._busy = woken and (pending or linger > 0)
+        if linger > 0:
             woken = self._sleep(linger, stop)
             # Wake-ups of the linger are covered by the pass about to claim: their commits
             # came before it. A zero wait only clears them, so they start no extra pass.
@@ -126,7 +136,7 @@ class CoalescingWakeup(Wakeup):
     def _pace_by(self, claimed: int | None) -> None:
         assert self._mute is not None
         if self.pace is Pace.NOTIFIED:
-            if claimed and self._lingered and self._leads() and self._mute.on():
+            if claimed and self._busy and self._leads() and self._mute.on():
                 self.pace = Pace.TIMED
             return
         if claimed is None:  # a failed pass waits out the poll interval: not on the timer

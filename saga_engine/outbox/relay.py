@@ -38,6 +38,7 @@ from saga_engine.outbox import claim as claims
 from saga_engine.outbox import cleanup
 from saga_engine.outbox.claim import OutboxRow
 from saga_engine.outbox.notify import Wakeup
+from saga_engine.outbox.pacing import CoalescingWakeup
 from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 
 log = logging.getLogger(__name__)
@@ -377,8 +378,16 @@ LEAD = f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, {schema.OUTBOX_LOCK_KEY}
 
 
 def relay_wakeup(engine: Engine) -> Wakeup:
-    """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead."""
-    return Wakeup.for_engine(engine, lead=LEAD)
+    """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead.
+
+    Each wake-up starts a pass at once (no ``min_interval``: a standalone relay's passes are what
+    it is for). Under load, when NOTIFYs come while its passes run, the leading relay mutes them
+    and passes straight after one another instead (``pacing``): the passes follow one another
+    either way, and the writers' commits no longer each take PostgreSQL's NOTIFY lock and wake
+    the listener. A worker replaces this wake-up with one that waits ``relay_wake_interval``
+    between passes.
+    """
+    return CoalescingWakeup.like(Wakeup.for_engine(engine, lead=LEAD), min_interval=0.0)
 
 
 def relay_engine(db_url: str, pool_size: int) -> Engine:

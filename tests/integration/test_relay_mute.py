@@ -2,8 +2,8 @@
 
 The trigger and the relay's side (``saga_engine.outbox.pacing``) against the real server: the
 NOTIFY falls silent exactly while the mute is held, a relay that lets go of it waits for the
-writers that saw it, and a worker's relay under load takes it and gives it back when idle without
-leaving a row to its poll interval.
+writers that saw it, and a relay under load (a worker's or a standalone one) takes it and gives
+it back when idle without leaving a row to its poll interval.
 """
 
 from __future__ import annotations
@@ -118,30 +118,51 @@ def test_a_mute_whose_session_ends_lets_writers_notify_again(
     mute.close()
 
 
-def test_a_worker_relay_under_load_mutes_then_listens_again_and_loses_no_time(
-    pg_url: str, engines: list[object]
+@pytest.mark.parametrize(
+    ("interval", "pause"), [(0.03, 0.005), (None, 0.0)], ids=["worker relay", "standalone relay"]
+)
+def test_a_relay_under_load_mutes_then_listens_again_and_loses_no_time(
+    pg_url: str, engines: list[object], interval: float | None, pause: float
 ) -> None:
-    """Writes every 5 ms for 1.5 s: the relay takes the mute and passes on its 30 ms timer; once
-    they stop it lets go, and a lone message written later is delivered by its NOTIFY, not by the
-    poll interval of 5 s."""
+    """Writes 300 messages, ``pause`` apart: the relay takes the mute and passes on its timer (a
+    worker's: every 30 ms; a standalone relay's, whose passes keep up with writes 5 ms apart: one
+    pass after another); once they stop it lets go, and a lone message written later is
+    delivered by its NOTIFY, not by the poll interval of 5 s."""
     engine = make_engine(pg_url, engines)
     relay = Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
     engines.append(relay.engine)
-    assert relay.wakeup is not None
-    relay.wakeup = wakeup = CoalescingWakeup.like(relay.wakeup, min_interval=0.03)
+    assert isinstance(relay.wakeup, CoalescingWakeup)
+    if interval is not None:
+        relay.wakeup = CoalescingWakeup.like(relay.wakeup, min_interval=interval)
+    wakeup = relay.wakeup
     relay.start()
-    seen_muted = threading.Event()
-    try:
-        _wait_for(lambda: wakeup.leads, 5)
-        keys = [f"burst-{i}" for i in range(300)]
-        for key in keys:
-            write(engine, [envelope(key)])
+    seen_muted, burst_over = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        while not burst_over.is_set():
             if mutes_held(engine):
                 seen_muted.set()
-            time.sleep(0.005)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        _wait_for(lambda: wakeup.leads, 5)
+        watcher.start()
+        for i in range(300):
+            write(engine, [envelope(f"burst-{i}")])
+            time.sleep(pause)
+        burst_over.set()
+        watcher.join()
         ids = [m.message_id for m in write(engine, [envelope("last of the burst")])]
-        _wait_for(lambda: wakeup.pace is Pace.NOTIFIED and not mutes_held(engine), 5)
-        assert delivered(engine, *ids) == 1
+        # Well within the poll interval: letting go of the mute leaves no row behind.
+        _wait_for(
+            lambda: (
+                delivered(engine, *ids) == 1
+                and wakeup.pace is Pace.NOTIFIED
+                and not mutes_held(engine)
+            ),
+            3,
+        )
 
         time.sleep(0.3)
         lone = envelope("lone")
@@ -150,6 +171,7 @@ def test_a_worker_relay_under_load_mutes_then_listens_again_and_loses_no_time(
         _wait_for(lambda: delivered(engine, lone.message_id), 4)
         latency = time.perf_counter() - started
     finally:
+        burst_over.set()
         relay.stop()
     assert seen_muted.is_set()
     assert latency < 1.0, f"lone message took {latency:.3f} s: left to the poll interval"

@@ -1,4 +1,4 @@
-"""The worker's relay wake-ups: commits a few ms apart share one relay pass."""
+"""Relay wake-ups: commits a few ms apart share one relay pass, and a busy relay mutes NOTIFYs."""
 
 from __future__ import annotations
 
@@ -101,12 +101,31 @@ def test_wake_ups_faster_than_the_interval_and_rows_found_take_the_mute() -> Non
     assert mute.calls == ["on"]
 
 
+def test_a_relay_without_an_interval_mutes_when_wake_ups_come_during_its_passes() -> None:
+    """A standalone relay (``min_interval`` 0): a wake-up already pending when the relay waits
+    came while its pass ran; with rows found, it mutes and passes straight after one another."""
+    mute = MuteDouble()
+    wakeup = muted_wakeup(mute, min_interval=0.0)
+    threading.Timer(0.05, wakeup.notify).start()
+    assert wakeup.wait(1.0)  # came while it waited: an idle relay
+    wakeup.after_pass(5)
+    assert wakeup.pace is Pace.NOTIFIED and mute.calls == []
+
+    wakeup.notify()  # during the pass
+    began = time.monotonic()
+    assert wakeup.wait(1.0)
+    wakeup.after_pass(5)
+    assert pace_of(wakeup) is Pace.TIMED and mute.calls == ["on"]
+    assert wakeup.wait(1.0) is True  # the timer: the next pass at once, without a NOTIFY
+    assert time.monotonic() - began < 0.1
+
+
 def test_a_lone_wake_up_or_an_empty_pass_keeps_waiting_for_notifies() -> None:
     mute = MuteDouble()
     wakeup = muted_wakeup(mute)
-    wakeup.notify()
+    threading.Timer(0.1, wakeup.notify).start()
     assert wakeup.wait(1.0)
-    wakeup.after_pass(5)  # found rows, but its wake-up came after a long idle time
+    wakeup.after_pass(5)  # found rows, but its wake-up came while the relay waited, long idle
     busy(wakeup, claimed=0)  # came quickly, found nothing
     assert wakeup.pace is Pace.NOTIFIED
     assert mute.calls == []
