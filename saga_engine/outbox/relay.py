@@ -15,6 +15,8 @@ are at a fixed rate: a pass that took 0.2 s of a 0.5 s interval is followed by 0
 a message committed just after a claim waits at most one interval plus one pass. Of several relays
 on one PostgreSQL outbox, the one whose listener leads runs the passes that wake-ups start; the
 others pass on their poll timer, and keep passing while batches come back full (``notify``).
+Under load the leading relay mutes the writers' NOTIFYs and passes on its own timer (a standalone
+relay: one pass straight after another) until a pass finds nothing (``pacing``).
 """
 
 from __future__ import annotations
@@ -377,7 +379,7 @@ LEAD_LOCK_SPACE = 0x5A6A
 LEAD = f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, {schema.OUTBOX_LOCK_KEY})"
 
 
-def relay_wakeup(engine: Engine) -> Wakeup:
+def relay_wakeup(engine: Engine) -> CoalescingWakeup:
     """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead.
 
     Each wake-up starts a pass at once (no ``min_interval``: a standalone relay's passes are what
