@@ -20,9 +20,10 @@ listener thread and its relay for nothing, at every commit. When it takes the le
 again and wakes its relay once, for whatever was committed while it did not listen.
 
 Under load the NOTIFYs say nothing new, and they are not free: PostgreSQL serializes the commits
-of every transaction that sent one and signals every listener at each. A worker's relay then
-passes on a timer of its own and holds the outbox's *mute*, an advisory lock the outbox's trigger
-looks at: while it is held, writers send no NOTIFY (``saga_engine.outbox.pacing``).
+of every transaction that sent one and signals every listener at each. The leading relay then
+passes on a timer of its own (a standalone relay: one pass straight after another) and holds the
+outbox's *mute*, an advisory lock the outbox's trigger looks at: while it is held, writers send no
+NOTIFY (``saga_engine.outbox.pacing``).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Wakeup:
 
     def after_pass(self, claimed: int | None) -> None:
         """Told by the relay after each pass how many rows it claimed (None: the pass failed).
-        A plain wake-up has no use for it; the worker's relays pace themselves with it."""
+        A plain wake-up has no use for it; a ``pacing.CoalescingWakeup`` paces its relay by it."""
 
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         """Wait for a wake-up, the timeout or ``stop``; True if woken."""

@@ -41,7 +41,7 @@ RELAY_WAKE_INTERVAL = 0.03
 
 
 class Pace(enum.Enum):
-    """How a worker's relay is woken (:class:`CoalescingWakeup`)."""
+    """How a relay is woken (:class:`CoalescingWakeup`)."""
 
     NOTIFIED = "notified"  # by NOTIFYs (and a worker's own commits)
     #: By a timer, every min_interval (with none, one pass straight after another); the relay

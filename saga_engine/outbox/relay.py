@@ -382,8 +382,8 @@ LEAD = f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, {schema.OUTBOX_LOCK_KEY}
 def relay_wakeup(engine: Engine) -> CoalescingWakeup:
     """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead.
 
-    Each wake-up starts a pass at once (no ``min_interval``: a standalone relay's passes are what
-    it is for). Under load, when NOTIFYs come while its passes run, the leading relay mutes them
+    Each wake-up starts a pass at once (no ``min_interval``: delivering is all a standalone relay
+    does). Under load, when NOTIFYs come while its passes run, the leading relay mutes them
     and passes straight after one another instead (``pacing``): the passes follow one another
     either way, and the writers' commits no longer each take PostgreSQL's NOTIFY lock and wake
     the listener. A worker replaces this wake-up with one that waits ``relay_wake_interval``

@@ -124,10 +124,11 @@ def test_a_mute_whose_session_ends_lets_writers_notify_again(
 def test_a_relay_under_load_mutes_then_listens_again_and_loses_no_time(
     pg_url: str, engines: list[object], interval: float | None, pause: float
 ) -> None:
-    """Writes 300 messages, ``pause`` apart: the relay takes the mute and passes on its timer (a
-    worker's: every 30 ms; a standalone relay's, whose passes keep up with writes 5 ms apart: one
-    pass after another); once they stop it lets go, and a lone message written later is
-    delivered by its NOTIFY, not by the poll interval of 5 s."""
+    """Writes 300 messages, ``pause`` apart (a standalone relay's passes keep up with writes 5 ms
+    apart, so those come back to back): the relay takes the mute and passes on its timer (a
+    worker's: every 30 ms; a standalone relay's: one pass after another); once they stop it lets
+    go, and a lone message written later is delivered by its NOTIFY, not by the poll interval of
+    5 s."""
     engine = make_engine(pg_url, engines)
     relay = Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
     engines.append(relay.engine)

@@ -1,7 +1,7 @@
 """The outbox's NOTIFY falls silent while a relay holds the mute.
 
 Every statement that inserts into ``outbox_messages`` sent a NOTIFY, the relays' wake-up hint.
-Under load a worker's relay passes on a timer of its own and the NOTIFYs say nothing new, yet
+Under load a relay passes on a timer of its own and the NOTIFYs say nothing new, yet
 PostgreSQL serializes the commits of every transaction that sent one and signals every listener
 at each. The trigger now sends its NOTIFY only when no relay holds the mute; a writer that finds it
 held takes the writers' advisory lock (shared, until the transaction ends) and looks again, so the
