@@ -23,7 +23,7 @@ from saga_engine import db, deadletter, errors, inbox, store, transport
 from saga_engine.app import App
 from saga_engine.consumer import BatchScope, DedupeKey, MessageConsumer, by_message_id
 from saga_engine.outbox import cleanup
-from saga_engine.outbox.pacing import RELAY_WAKE_INTERVAL, CoalescingWakeup
+from saga_engine.outbox.pacing import RELAY_WAKE_INTERVAL
 from saga_engine.outbox.relay import Relay
 from saga_engine.transport.base import Transport
 
@@ -141,12 +141,12 @@ class Worker:
             urls = {self.options.db_url, *(self.participant_db(n) for n in self.participant_names)}
             for url in sorted(urls):
                 relay = Relay.for_database(
-                    url, self.transport, self.app.relay_config, clock=self.app.clock
+                    url,
+                    self.transport,
+                    self.app.relay_config,
+                    wake_interval=self.options.relay_wake_interval,
+                    clock=self.app.clock,
                 )
-                if relay.wakeup is not None:
-                    relay.wakeup = CoalescingWakeup.like(
-                        relay.wakeup, self.options.relay_wake_interval
-                    )
                 self.relays_by_db.setdefault(url, []).append(relay)
                 self._thread(f"relay {db.redact(url)}", relay.run)
         if "deadlines" in roles and self.app.sagas:
@@ -184,7 +184,8 @@ class Worker:
     def wake_relays(self, db_url: str | None = None) -> None:
         """Wake the relays of ``db_url`` (all of them if None): a commit there added outbox rows.
 
-        Only a flag is set; the relays' :class:`CoalescingWakeup` decides when the pass runs.
+        Only a flag is set; the relays' wake-up (``pacing.CoalescingWakeup``) decides when the pass
+        runs.
         """
         relays = self.relays if db_url is None else self.relays_by_db.get(db_url, ())
         for relay in relays:

@@ -29,6 +29,11 @@ MUTE_APPLICATION_NAME = "saga-engine-mute"
 #: before it waits for NOTIFYs anyway; a row such a writer commits later waits for the relay's
 #: poll interval at most.
 UNMUTE_PATIENCE = 1.0
+#: While a relay lets go of the mute, its next pass starts at a NOTIFY (writers send them again)
+#: or this long after the previous one began, whichever comes first, and never before its
+#: ``min_interval``. For a relay with no interval it is also a floor: such a relay must not loop
+#: over empty passes while a writer that saw the mute keeps its transaction open.
+UNMUTING_POLL = 0.01
 
 #: The least time between the starts of two relay passes that wake-ups start. Every consumer
 #: commit (and, on PostgreSQL, every NOTIFY) wakes the relays; a pass costs a claim, a broker round
@@ -47,7 +52,9 @@ class Pace(enum.Enum):
     #: By a timer, every min_interval (with none, one pass straight after another); the relay
     #: holds the mute: writers send no NOTIFY.
     TIMED = "timed"
-    UNMUTING = "unmuting"  # by the timer still, until every writer that saw the mute has ended
+    #: By the timer still (with no min_interval: a NOTIFY or UNMUTING_POLL), until every writer
+    #: that saw the mute has ended.
+    UNMUTING = "unmuting"
 
 
 class CoalescingWakeup(Wakeup):
@@ -106,6 +113,10 @@ class CoalescingWakeup(Wakeup):
         return woken
 
     def _wait_for_timer(self, timeout: float, stop: threading.Event | None) -> bool:
+        if self.pace is Pace.UNMUTING:
+            # A NOTIFY, or UNMUTING_POLL after the previous pass began; then the slot as ever.
+            poll = self._last_pass + UNMUTING_POLL - time.monotonic()
+            super().wait(min(timeout, max(0.0, poll)), stop)
         woken = self._sleep(min(timeout, self._until_slot()), stop)
         super().wait(0.0)  # what was notified meanwhile is the timer's pass's to find
         self._last_pass = time.monotonic()

@@ -146,12 +146,22 @@ class Relay:
 
     @classmethod
     def for_database(
-        cls, db_url: str, transport: Transport, config: RelayConfig | None = None, **kwargs: Any
+        cls,
+        db_url: str,
+        transport: Transport,
+        config: RelayConfig | None = None,
+        *,
+        wake_interval: float = 0.0,
+        **kwargs: Any,
     ) -> Relay:
-        """A relay with its own small connection pool, apart from the application's (pit 3)."""
+        """A relay with its own small connection pool, apart from the application's (pit 3).
+
+        ``wake_interval``: the least time between the starts of two passes that wake-ups start
+        (``relay_wakeup``); a worker's relays wait ``relay_wake_interval``.
+        """
         config = config or RelayConfig()
         engine = relay_engine(db_url, config.pool_size)
-        wakeup = kwargs.pop("wakeup", None) or relay_wakeup(engine)
+        wakeup = kwargs.pop("wakeup", None) or relay_wakeup(engine, wake_interval)
         return cls(engine, transport, config, wakeup=wakeup, **kwargs)
 
     # -- one pass ---------------------------------------------------------------------------
@@ -379,17 +389,16 @@ LEAD_LOCK_SPACE = 0x5A6A
 LEAD = f"SELECT pg_try_advisory_lock({LEAD_LOCK_SPACE}, {schema.OUTBOX_LOCK_KEY})"
 
 
-def relay_wakeup(engine: Engine) -> CoalescingWakeup:
+def relay_wakeup(engine: Engine, min_interval: float = 0.0) -> CoalescingWakeup:
     """A relay's wake-up: NOTIFY on PostgreSQL, where its listener also tries for the lead.
 
-    Each wake-up starts a pass at once (no ``min_interval``: delivering is all a standalone relay
-    does). Under load, when NOTIFYs come while its passes run, the leading relay mutes them
-    and passes straight after one another instead (``pacing``): the passes follow one another
-    either way, and the writers' commits no longer each take PostgreSQL's NOTIFY lock and wake
-    the listener. A worker replaces this wake-up with one that waits ``relay_wake_interval``
-    between passes.
+    With no ``min_interval`` (a standalone relay: delivering is all it does), each wake-up starts
+    a pass at once. Under load, when NOTIFYs come while its passes run, the leading relay mutes
+    them and passes straight after one another instead (``pacing``): the passes follow one
+    another either way, and the writers' commits no longer each take PostgreSQL's NOTIFY lock and
+    wake the listener. A worker's relays wait ``relay_wake_interval`` between passes.
     """
-    return CoalescingWakeup.like(Wakeup.for_engine(engine, lead=LEAD), min_interval=0.0)
+    return CoalescingWakeup.like(Wakeup.for_engine(engine, lead=LEAD), min_interval)
 
 
 def relay_engine(db_url: str, pool_size: int) -> Engine:

@@ -119,10 +119,10 @@ def test_a_mute_whose_session_ends_lets_writers_notify_again(
 
 
 @pytest.mark.parametrize(
-    ("interval", "pause"), [(0.03, 0.005), (None, 0.0)], ids=["worker relay", "standalone relay"]
+    ("interval", "pause"), [(0.03, 0.005), (0.0, 0.0)], ids=["worker relay", "standalone relay"]
 )
 def test_a_relay_under_load_mutes_then_listens_again_and_loses_no_time(
-    pg_url: str, engines: list[object], interval: float | None, pause: float
+    pg_url: str, engines: list[object], interval: float, pause: float
 ) -> None:
     """Writes 300 messages, ``pause`` apart (a standalone relay's passes keep up with writes 5 ms
     apart, so those come back to back): the relay takes the mute and passes on its timer (a
@@ -130,12 +130,12 @@ def test_a_relay_under_load_mutes_then_listens_again_and_loses_no_time(
     go, and a lone message written later is delivered by its NOTIFY, not by the poll interval of
     5 s."""
     engine = make_engine(pg_url, engines)
-    relay = Relay.for_database(pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0))
+    relay = Relay.for_database(
+        pg_url, SqlTransport(engine), RelayConfig(poll_interval=5.0), wake_interval=interval
+    )
     engines.append(relay.engine)
-    assert isinstance(relay.wakeup, CoalescingWakeup)
-    if interval is not None:
-        relay.wakeup = CoalescingWakeup.like(relay.wakeup, min_interval=interval)
     wakeup = relay.wakeup
+    assert isinstance(wakeup, CoalescingWakeup)
     relay.start()
     seen_muted, burst_over = threading.Event(), threading.Event()
 

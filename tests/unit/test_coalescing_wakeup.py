@@ -163,6 +163,25 @@ def test_an_empty_pass_lets_go_of_the_mute_and_waits_for_the_writers_that_saw_it
     assert wakeup.wait(0.5) is True
 
 
+def test_a_relay_without_an_interval_letting_go_passes_at_a_notify_or_the_unmuting_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not one empty pass after another while a writer that saw the mute stays open."""
+    monkeypatch.setattr(pacing, "UNMUTING_POLL", 0.3)
+    wakeup = muted_wakeup(MuteDouble(writers_done=False), min_interval=0.0)
+    busy(wakeup)
+    wakeup.after_pass(0)
+    assert wakeup.pace is Pace.UNMUTING
+    began = time.monotonic()
+    assert wakeup.wait(5.0) is True  # no NOTIFY: the poll
+    assert 0.25 <= time.monotonic() - began < 1.0
+
+    wakeup.notify()  # a writer that did not see the mute
+    began = time.monotonic()
+    assert wakeup.wait(5.0) is True
+    assert time.monotonic() - began < 0.2
+
+
 def test_rows_found_while_letting_go_take_the_mute_again() -> None:
     mute = MuteDouble(writers_done=False)
     wakeup = muted_wakeup(mute)
