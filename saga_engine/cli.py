@@ -161,6 +161,14 @@ def register_relay(commands: Any) -> None:
     add_db(parser)
     add_broker(parser)
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument(
+        "--first-poll-batch",
+        type=int,
+        default=100,
+        metavar="N",
+        help="rows the first claim of a poll takes, the oldest; full claims double it up to "
+        "--batch-size",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.5, metavar="SECONDS")
     parser.add_argument("--ack-timeout", type=float, default=5.0, metavar="SECONDS")
     parser.add_argument("--max-retries", type=int, default=10)
@@ -182,6 +190,7 @@ def relay_config(args: argparse.Namespace) -> Any:
     try:
         return RelayConfig(
             batch_size=args.batch_size,
+            first_poll_batch=args.first_poll_batch,
             poll_interval=args.poll_interval,
             ack_timeout=args.ack_timeout,
             max_retries=args.max_retries,

@@ -248,8 +248,8 @@ class TimedRelay(Relay):
         super().__init__(*args, **kwargs)
         self.passes: list[tuple[str, int]] = []
 
-    def run_once(self) -> BatchOutcome:
-        outcome = super().run_once()
+    def run_once(self, limit: int | None = None) -> BatchOutcome:
+        outcome = super().run_once(limit)
         if outcome.published:
             self.passes.append((clock.SYSTEM.now().isoformat(), outcome.published))
         return outcome

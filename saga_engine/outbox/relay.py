@@ -11,8 +11,11 @@ is published again and the consumers' inbox absorbs the duplicate.
 
 The loop (:meth:`Relay.run`) repeats at once while batches come back full, and otherwise sleeps
 until a NOTIFY wake-up (PostgreSQL), the next poll, or a stop request, whichever comes first. Polls
-are at a fixed rate: a pass that took 0.2 s of a 0.5 s interval is followed by 0.3 s of sleep, so
-a message committed just after a claim waits at most one interval plus one pass. Of several relays
+are at a fixed rate: a poll whose passes took 0.2 s of a 0.5 s interval is followed by 0.3 s of
+sleep, so a message committed just after a claim waits at most one interval plus one pass. A pass
+the poll timer started claims only ``first_poll_batch`` rows (100), the oldest, and each full
+claim after it twice as many, up to ``batch_size``: the rows that waited longest are
+acknowledged first and soonest, not with the whole interval's backlog. Of several relays
 on one PostgreSQL outbox, the one whose listener leads runs the passes that wake-ups start; the
 others pass on their poll timer, and keep passing while batches come back full (``notify``).
 Under load the leading relay mutes the writers' NOTIFYs and passes on its own timer (a standalone
@@ -73,10 +76,18 @@ class RelayConfig:
     #: as much and keeps no history. ``"auto"`` archives on PostgreSQL and marks elsewhere
     #: (``on_sent_for`` says why; docs/outbox.md).
     on_sent: str = "auto"
+    #: Rows the first claim of a poll takes (a pass the poll timer started, or the relay's
+    #: first); each full claim after it takes twice as many, up to ``batch_size``. A poll finds
+    #: rows that have waited up to an interval, the oldest longest: in one claim of
+    #: ``batch_size`` they would all wait for the whole batch's acknowledgement (docs/outbox.md,
+    #: "Tuning").
+    first_poll_batch: int = 100
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.poll_interval <= 0 or self.ack_timeout <= 0:
-            raise ValueError("batch_size, poll_interval and ack_timeout must be positive")
+        if min(self.batch_size, self.first_poll_batch) < 1:
+            raise ValueError("batch_size and first_poll_batch must be at least 1")
+        if self.poll_interval <= 0 or self.ack_timeout <= 0:
+            raise ValueError("poll_interval and ack_timeout must be positive")
         if self.max_retries < 1:
             raise ValueError("max_retries must be at least 1")
         if self.on_sent not in ON_SENT:
@@ -166,10 +177,10 @@ class Relay:
 
     # -- one pass ---------------------------------------------------------------------------
 
-    def run_once(self) -> BatchOutcome:
-        """Claim, publish and mark one batch."""
+    def run_once(self, limit: int | None = None) -> BatchOutcome:
+        """Claim (up to ``limit`` rows, ``batch_size`` by default), publish and mark one batch."""
         now = self.clock.now()
-        with self.strategy.claim(self.engine, self.config.batch_size, now) as batch:
+        with self.strategy.claim(self.engine, limit or self.config.batch_size, now) as batch:
             if not batch.rows:
                 return BatchOutcome(0, 0, 0, 0)
             results, unsent = self._publish_in_key_order(batch.rows)
@@ -310,27 +321,43 @@ class Relay:
         if self.wakeup is not None:
             self.wakeup.start()
         try:
+            limit = self._poll_limit()
             while not stop.is_set():
-                started = time.monotonic()
-                result = self._pass()
-                if result is PassResult.FULL:
-                    continue
-                # After a failure, wait the whole interval: a database that fails fast must not
-                # be retried in a hot loop.
-                took = time.monotonic() - started if result is PassResult.PARTIAL else 0.0
+                began = time.monotonic()
+                result = self._poll(limit, stop)
+                # Fixed rate from the poll's first pass, so a backlog does not stretch the
+                # interval. After a failure, wait the whole interval: a database that fails fast
+                # must not be retried in a hot loop.
+                took = time.monotonic() - began if result is PassResult.PARTIAL else 0.0
                 seconds = fixed_rate_sleep(self.config.poll_interval, took)
                 next_poll = time.monotonic() + seconds
-                while self._sleep(stop, seconds) and self._follows():
+                while (woken := self._sleep(stop, seconds)) and self._follows():
                     self.stats.wakeups_left_to_leader += 1
                     seconds = max(0.0, next_poll - time.monotonic())
+                # A wake-up's rows are new; the poll timer's have waited up to an interval.
+                limit = self.config.batch_size if woken else self._poll_limit()
         finally:
             if self.wakeup is not None:
                 self.wakeup.stop()
 
-    def _pass(self) -> PassResult:
-        """One pass that survives database and broker trouble."""
+    def _poll(self, limit: int, stop: threading.Event) -> PassResult:
+        """Passes until one claims fewer rows than it asked for, fails, or ``stop`` is set; each
+        full claim is followed at once by one of twice the rows, up to ``batch_size``."""
+        result = self._pass(limit)
+        while result is PassResult.FULL and not stop.is_set():
+            limit = min(2 * limit, self.config.batch_size)
+            result = self._pass(limit)
+        return result
+
+    def _poll_limit(self) -> int:
+        """The first claim of a poll: a few of the oldest rows (``first_poll_batch``)."""
+        return min(self.config.first_poll_batch, self.config.batch_size)
+
+    def _pass(self, limit: int | None = None) -> PassResult:
+        """One pass that survives database and broker trouble; FULL if it claimed ``limit``."""
+        limit = limit or self.config.batch_size
         try:
-            outcome = self.run_once()
+            outcome = self.run_once(limit)
         except exc.SQLAlchemyError as error:
             self.stats.errors += 1
             log.warning(
@@ -339,7 +366,7 @@ class Relay:
             self._after_pass(None)
             return PassResult.FAILED
         self._after_pass(outcome.claimed)
-        return PassResult.FULL if outcome.claimed >= self.config.batch_size else PassResult.PARTIAL
+        return PassResult.FULL if outcome.claimed >= limit else PassResult.PARTIAL
 
     def _after_pass(self, claimed: int | None) -> None:
         if self.wakeup is not None:

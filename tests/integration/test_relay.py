@@ -379,6 +379,27 @@ def test_a_batch_goes_out_in_waves_unless_the_transport_is_atomic(
     assert atomic.calls == [20]
 
 
+def test_a_poll_sends_the_oldest_rows_first_in_claims_that_double(
+    db_url: str, engines: list[object]
+) -> None:
+    """The rows a poll finds waited up to an interval, the oldest longest: they go out first, in
+    a claim of ``first_poll_batch`` rows, and each full claim is followed by one twice as large."""
+    engine = make_engine(db_url, engines)
+    ids = [e.message_id for e in write(engine, [envelope(f"k{i}") for i in range(40)])]
+    transport = FailingTransportDouble()
+    config = RelayConfig(batch_size=20, first_poll_batch=5, poll_interval=0.05)
+    relay = Relay(engine, transport, config)  # no wake-up: every pass is a poll's
+    relay.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(transport.published) < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        relay.stop()
+    assert transport.calls == [ids[:5], ids[5:15], ids[15:35], ids[35:]]
+    assert delivered(engine, *ids) == len(ids)
+
+
 # -- 2. broker outage ---------------------------------------------------------------------------
 
 

@@ -75,6 +75,7 @@ def test_backoff_survives_absurd_retry_counts() -> None:
     "bad",
     [
         {"batch_size": 0},
+        {"first_poll_batch": 0},
         {"poll_interval": 0},
         {"ack_timeout": -1},
         {"max_retries": 0},

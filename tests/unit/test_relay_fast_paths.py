@@ -344,9 +344,11 @@ class StubbedPassesRelay(Relay):
         self.woken: list[bool] = []
         self.follower = False
         self.passes = 0
+        self.limits: list[int | None] = []
 
-    def _pass(self) -> PassResult:
+    def _pass(self, limit: int | None = None) -> PassResult:
         self.passes += 1
+        self.limits.append(limit)
         time.sleep(self.pass_seconds)
         result = self.results.pop(0)
         if not self.results:
@@ -361,13 +363,35 @@ class StubbedPassesRelay(Relay):
         return self.follower
 
 
-def test_the_loop_sleeps_the_interval_minus_the_pass(memory_db: sa.Engine) -> None:
+def test_the_loop_sleeps_the_interval_minus_the_polls_passes(memory_db: sa.Engine) -> None:
     results = [PassResult.PARTIAL, PassResult.FULL, PassResult.FULL, PassResult.PARTIAL]
     relay = StubbedPassesRelay(memory_db, results, pass_seconds=0.1)
     relay.run()
     assert relay.passes == 4
     assert len(relay.sleeps) == 2  # full batches go again at once
-    assert all(0.3 <= s <= 0.4 + 1e-9 for s in relay.sleeps), relay.sleeps
+    # The second poll is three passes: the next one is due an interval after the first began,
+    # not after the last (which would stretch every poll that finds a backlog by its passes).
+    first, second = relay.sleeps
+    assert 0.3 <= first <= 0.4 + 1e-9 and 0.1 <= second <= 0.2 + 1e-9, relay.sleeps
+
+
+def test_a_poll_claims_the_oldest_few_first_and_twice_as_many_while_claims_are_full(
+    memory_db: sa.Engine,
+) -> None:
+    full, partial = PassResult.FULL, PassResult.PARTIAL
+    relay = StubbedPassesRelay(memory_db, [partial, full, full, full, full, partial, partial], 0.0)
+    relay.config = RelayConfig(poll_interval=0.5, batch_size=500, first_poll_batch=100)
+    relay.woken = [False, True]  # the poll timer ends the first sleep, a wake-up the second
+    relay.run()
+    # The first pass is a poll's too; after a wake-up the relay claims a whole batch.
+    assert relay.limits == [100, 100, 200, 400, 500, 500, 500]
+
+
+def test_a_poll_never_claims_more_than_the_batch_size(memory_db: sa.Engine) -> None:
+    relay = StubbedPassesRelay(memory_db, [PassResult.FULL, PassResult.PARTIAL], 0.0)
+    relay.config = RelayConfig(batch_size=50, first_poll_batch=100)
+    relay.run()
+    assert relay.limits == [50, 50]
 
 
 def test_a_pass_longer_than_the_interval_is_followed_by_no_sleep(memory_db: sa.Engine) -> None:
@@ -408,10 +432,10 @@ def test_a_failed_pass_waits_the_whole_interval(memory_db: sa.Engine) -> None:
 def test_pass_results(memory_db: sa.Engine) -> None:
     relay = Relay(memory_db, MemoryTransport(), RelayConfig(batch_size=2))
     outcomes = iter([BatchOutcome(0, 0, 0, 2), BatchOutcome(0, 0, 0, 1)])
-    relay.run_once = lambda: next(outcomes)  # type: ignore[method-assign]
+    relay.run_once = lambda limit=None: next(outcomes)  # type: ignore[method-assign]
     assert [relay._pass(), relay._pass()] == [PassResult.FULL, PassResult.PARTIAL]
 
-    def broken() -> BatchOutcome:
+    def broken(limit: int | None = None) -> BatchOutcome:
         raise sa.exc.OperationalError("SELECT", {}, Exception("database went away"))
 
     relay.run_once = broken  # type: ignore[method-assign]
