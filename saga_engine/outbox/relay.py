@@ -541,13 +541,14 @@ class PassResult(enum.Enum):
     FAILED = "failed"
 
 
-def fixed_rate_sleep(poll_interval: float, pass_seconds: float) -> float:
-    """How long to sleep after a pass that took ``pass_seconds``: the rest of the interval.
+def fixed_rate_sleep(poll_interval: float, poll_seconds: float) -> float:
+    """How long to sleep after a poll whose passes took ``poll_seconds``: the rest of the interval.
 
-    Sleeping a whole interval after each pass would let a message committed just after a claim
-    wait the rest of that pass, the interval and the next pass; a fixed rate removes one pass.
+    Sleeping a whole interval after each poll would let a message committed just after a claim
+    wait the rest of that poll, the interval and the next pass; a fixed rate removes the first.
+    Counted from the poll's first pass, not its last, so a backlog does not stretch the interval.
     """
-    return max(0.0, poll_interval - pass_seconds)
+    return max(0.0, poll_interval - poll_seconds)
 
 
 @dataclasses.dataclass(frozen=True)
