@@ -155,6 +155,22 @@ def test_bad_app(command: str, spec: str, expected: str, tmp_path: Path) -> None
     assert expected in line
 
 
+@pytest.mark.parametrize(
+    ("option", "expected"),
+    [
+        ("--batch-size", "batch_size and first_poll_batch must be at least 1"),
+        ("--first-poll-batch", "batch_size and first_poll_batch must be at least 1"),
+        ("--poll-interval", "poll_interval and ack_timeout must be positive"),
+    ],
+)
+def test_relay_tuning_that_makes_no_sense(option: str, expected: str, tmp_path: Path) -> None:
+    database = tmp_path / "never-created.sqlite3"
+    result = saga_engine("relay", "--db", f"sqlite:///{database}", option, "0")
+
+    assert expected in assert_one_line_error(result)
+    assert not database.exists()  # refused before it opened anything
+
+
 def test_unknown_saga_type() -> None:
     result = saga_engine("start", "no_such_saga", "--app", APP, "--data", "{}")
 
