@@ -59,6 +59,14 @@ LEAD_SESSION = (
 )
 
 
+def listen_conninfo(engine: Engine) -> str | None:
+    """The connection a wake-up on ``engine``'s database listens on: its URL for psycopg on
+    PostgreSQL, None elsewhere (no NOTIFY: the wake-up is a plain in-process event)."""
+    if engine.dialect.name != "postgresql":
+        return None
+    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
 class Wakeup:
     """An event set by NOTIFY (when listening) or by :meth:`notify`; waited on with a timeout."""
 
@@ -68,8 +76,9 @@ class Wakeup:
         self.conninfo = conninfo
         self.channel = channel
         #: A statement that tries for a session-level lock and says whether it got it (see the
-        #: module's docstring); None: this listener does not take part in leading.
-        self.lead = lead
+        #: module's docstring); None: this listener does not take part in leading (nor does a
+        #: wake-up with no connection, which has no session to hold the lock in).
+        self.lead = lead if conninfo is not None else None
         #: What the last try for the lead got: True (this one leads), False (another listener
         #: does), None (not tried on this connection yet, not connected, or no outbox table).
         self._lead_held: bool | None = None
@@ -95,10 +104,7 @@ class Wakeup:
     ) -> Wakeup:
         """A wake-up that listens on PostgreSQL (trying for ``lead`` there) and is a plain
         in-process event elsewhere."""
-        if engine.dialect.name != "postgresql":
-            return cls(None, channel)
-        url = engine.url.set(drivername="postgresql")
-        return cls(url.render_as_string(hide_password=False), channel, lead=lead)
+        return cls(listen_conninfo(engine), channel, lead=lead)
 
     def notify(self) -> None:
         self._event.set()

@@ -92,11 +92,6 @@ class CoalescingWakeup(Wakeup):
         self._unmuted_at = float("-inf")
         self._mute = Mute(conninfo) if conninfo is not None and channel == OUTBOX_CHANNEL else None
 
-    @classmethod
-    def like(cls, wakeup: Wakeup, min_interval: float = RELAY_WAKE_INTERVAL) -> CoalescingWakeup:
-        """The same wake-up (LISTEN connection and channel), coalescing."""
-        return cls(wakeup.conninfo, wakeup.channel, lead=wakeup.lead, min_interval=min_interval)
-
     def wait(self, timeout: float, stop: threading.Event | None = None) -> bool:
         if self.pace is not Pace.NOTIFIED:
             return self._wait_for_timer(timeout, stop)

@@ -42,7 +42,7 @@ from saga_engine import clock, db, errors, schema
 from saga_engine.outbox import claim as claims
 from saga_engine.outbox import cleanup
 from saga_engine.outbox.claim import OutboxRow
-from saga_engine.outbox.notify import Wakeup
+from saga_engine.outbox.notify import Wakeup, listen_conninfo
 from saga_engine.outbox.pacing import CoalescingWakeup
 from saga_engine.transport.base import OutgoingMessage, PublishResult, Transport
 
@@ -425,7 +425,7 @@ def relay_wakeup(engine: Engine, min_interval: float = 0.0) -> CoalescingWakeup:
     another either way, and the writers' commits no longer each take PostgreSQL's NOTIFY lock and
     wake the listener. A worker's relays wait ``relay_wake_interval`` between passes.
     """
-    return CoalescingWakeup.like(Wakeup.for_engine(engine, lead=LEAD), min_interval)
+    return CoalescingWakeup(listen_conninfo(engine), lead=LEAD, min_interval=min_interval)
 
 
 def relay_engine(db_url: str, pool_size: int) -> Engine:

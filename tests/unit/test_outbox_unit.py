@@ -87,6 +87,13 @@ def test_relay_config_rejects_nonsense(bad: dict[str, float]) -> None:
         RelayConfig(**bad)  # type: ignore[arg-type]
 
 
+def test_the_relay_commands_defaults_are_the_relays_own() -> None:
+    # The parser spells the defaults out (importing the relay would slow every command's start).
+    from saga_engine.cli import build_parser, relay_config
+
+    assert relay_config(build_parser().parse_args(["relay"])) == RelayConfig()
+
+
 @pytest.mark.parametrize("on_sent", ON_SENT)
 def test_both_relay_commands_offer_every_on_sent_choice(on_sent: str) -> None:
     # The parsers spell the choices out (importing the relay would slow every command's start).
