@@ -3,7 +3,7 @@
 ``kafka://host:port[,host:port...][?option=value&...]``. Options: ``partitions`` (for topics this
 transport creates, default 8), ``replication_factor`` (default 1), ``client_id``,
 ``max_poll_interval_ms``, ``session_timeout_ms``, ``request_timeout_ms`` and
-``fetch_max_wait_ms`` (default 500, as Kafka's clients: how long a fetch may wait for data).
+``fetch_max_wait_ms`` (default 200: how long a fetch may wait for data).
 
 Publishing goes through :class:`~saga_engine.transport.kafka_batch.BatchProducer`: a relay batch
 leaves as one record batch per partition (``acks=all``), and every message gets its own result, so
@@ -60,10 +60,13 @@ OPTIONS = (
     "request_timeout_ms",
     "fetch_max_wait_ms",
 )
-#: kafka-python's and the Java client's default. Kafka answers a waiting fetch as soon as data
-#: arrives; a broker that holds it for the whole wait instead (tansu) adds up to this much to every
-#: hop, so point such a broker's URL at a few milliseconds.
-FETCH_MAX_WAIT_MS = 500
+#: How long the broker may hold a fetch that finds no data. Kafka answers a waiting fetch as soon
+#: as data arrives, so there this only sets how often an idle consumer asks (Kafka's clients use
+#: 500 ms). A broker that holds the fetch for the whole wait (tansu) adds most of it to every hop:
+#: kafka-python sends a consumer's next fetch as soon as it hands over a batch, when nothing new
+#: can be there yet. 200 ms took an outline saga's p50 from about 1.1 to 0.7 s on tansu and gave
+#: 4 % more sagas a second; shorter waits cost more than they gave (docs/benchmarks.md, change 47).
+FETCH_MAX_WAIT_MS = 200
 
 
 class KafkaTransport(Transport):

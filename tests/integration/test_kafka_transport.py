@@ -501,9 +501,9 @@ def test_url_options_are_parsed() -> None:
     assert transport.client_id == "orders"
     assert (transport.max_poll_interval_ms, transport.session_timeout_ms) == (4000, 4000)
     assert kafka("kafka://h:1").session_timeout_ms == 10_000
-    # what the consumers' kafka-python clients are given; Kafka's own default otherwise
+    # what the consumers' kafka-python clients are given; the engine's default otherwise
     assert transport._consumer_config("orders")["fetch_max_wait_ms"] == 20
-    assert kafka("kafka://h:1")._consumer_config("orders")["fetch_max_wait_ms"] == 500
+    assert kafka("kafka://h:1")._consumer_config("orders")["fetch_max_wait_ms"] == 200
 
 
 @pytest.mark.parametrize(
