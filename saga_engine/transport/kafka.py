@@ -65,7 +65,8 @@ OPTIONS = (
 #: 500 ms). A broker that holds the fetch for the whole wait (tansu) adds most of it to every hop:
 #: kafka-python sends a consumer's next fetch as soon as it hands over a batch, when nothing new
 #: can be there yet. 200 ms took an outline saga's p50 from about 1.1 to 0.7 s on tansu and gave
-#: 4 % more sagas a second; shorter waits cost more than they gave (docs/benchmarks.md, change 47).
+#: 4 % more sagas a second; shorter waits gave no more there, and lost throughput on a busier host,
+#: as each consumer applies more, smaller batches (docs/benchmarks.md, change 47).
 FETCH_MAX_WAIT_MS = 200
 
 
