@@ -98,14 +98,6 @@ class Wakeup:
         """This listener holds the lead."""
         return self._lead_held is True
 
-    @classmethod
-    def for_engine(
-        cls, engine: Engine, channel: str = OUTBOX_CHANNEL, *, lead: str | None = None
-    ) -> Wakeup:
-        """A wake-up that listens on PostgreSQL (trying for ``lead`` there) and is a plain
-        in-process event elsewhere."""
-        return cls(listen_conninfo(engine), channel, lead=lead)
-
     def notify(self) -> None:
         self._event.set()
 

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy import Connection, Engine, exc
 
 from saga_engine import clock, ids, schema
-from saga_engine.outbox.notify import TRANSPORT_CHANNEL, Wakeup
+from saga_engine.outbox.notify import TRANSPORT_CHANNEL, Wakeup, listen_conninfo
 from saga_engine.transport.base import Consumer, Delivery, OutgoingMessage, PublishResult, Transport
 
 q = schema.transport_messages
@@ -100,7 +100,7 @@ class SqlConsumer(Consumer):
         self.transport = transport
         self.group = group
         self.channels = channels
-        self.wakeup = Wakeup.for_engine(transport.engine, TRANSPORT_CHANNEL)
+        self.wakeup = Wakeup(listen_conninfo(transport.engine), TRANSPORT_CHANNEL)
         if transport.listen:
             self.wakeup.start()
 
