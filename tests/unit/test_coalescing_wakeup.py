@@ -223,3 +223,23 @@ def test_without_a_database_to_mute_the_pace_never_changes() -> None:
     wakeup = CoalescingWakeup(min_interval=0.05)  # no conninfo: no listener, no mute
     busy(wakeup)
     assert wakeup.pace is Pace.NOTIFIED
+
+
+def test_a_relays_wake_up_listens_on_postgresql_only() -> None:
+    # Built from the engine's URL, no connection made: PostgreSQL's for psycopg, with the password
+    # (the listener logs in with it); elsewhere no listener, so no lead to try for either.
+    import sqlalchemy as sa
+
+    from saga_engine.outbox.notify import listen_conninfo
+    from saga_engine.outbox.relay import relay_wakeup
+
+    postgres = sa.create_engine("postgresql+psycopg://orders:secret@db.example:5433/shop")
+    sqlite = sa.create_engine("sqlite://")
+    try:
+        assert listen_conninfo(postgres) == "postgresql://orders:secret@db.example:5433/shop"
+        assert relay_wakeup(postgres).lead is not None
+        wakeup = relay_wakeup(sqlite)
+        assert (wakeup.conninfo, wakeup.lead) == (None, None)
+    finally:
+        postgres.dispose()
+        sqlite.dispose()
